@@ -1,0 +1,195 @@
+"""Capture: a model and example inputs -> a torch.fx GraphModule.
+
+Tries `torch.fx.symbolic_trace` first and `torch.export` (non-strict) where it fails.
+Writes `meta["val"]` (a FakeTensor) on every node and `gm.meta["fxmem"]["capture"]`
+(the method used); no real memory is used. Failures become a `TraceError` that names the construct.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from fxmem.errors import TraceError
+
+METHODS = ("auto", "symbolic_trace", "export")
+
+
+def capture(model: torch.nn.Module, example_inputs: Sequence[Any] = (),
+            example_kwargs: dict[str, Any] | None = None, *, method: str = "auto") -> torch.fx.GraphModule:
+    """Capture `model` as a GraphModule whose parameters and buffers are the model's own tensors."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"fxmem captures torch.nn.Module instances, got {type(model).__name__}")
+    if method not in METHODS:
+        raise ValueError(f"capture method {method!r} is not one of {METHODS}")
+    args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+    with _restored_buffers(model):
+        gm = _capture(model, args, kwargs, method)
+    _constants_as_buffers(gm)
+    return gm
+
+
+def _constants_as_buffers(gm: torch.fx.GraphModule) -> None:
+    """Tensor constants the tracer folded (e.g. `self.freqs[None]`) become non-persistent buffers, so
+    AOTAutograd receives them as inputs like every other tensor."""
+    state = {id(t) for t in gm.parameters()} | {id(t) for t in gm.buffers()}
+    for node in gm.graph.find_nodes(op="get_attr"):
+        owner_path, _, attr = node.target.rpartition(".")
+        owner = gm.get_submodule(owner_path) if owner_path else gm
+        value = getattr(owner, attr)
+        if isinstance(value, torch.Tensor) and id(value) not in state:
+            delattr(owner, attr)
+            owner.register_buffer(attr, value, persistent=False)
+
+
+def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, method: str) -> torch.fx.GraphModule:
+    first_error: Exception | None = None
+    if method in ("auto", "symbolic_trace"):
+        try:
+            gm = _symbolic_trace(model, args, kwargs)
+            gm.meta.setdefault("fxmem", {})["capture"] = "symbolic_trace"
+            return gm
+        except TraceError:
+            if method == "symbolic_trace":
+                raise
+        except Exception as exc:  # symbolic_trace fails on many real models: fall back to export
+            if method == "symbolic_trace":
+                raise _explain(exc) from exc
+            first_error = exc
+    try:
+        gm = _export(model, args, kwargs)
+    except TraceError:
+        raise
+    except Exception as exc:
+        raise _explain(exc, first_error) from exc
+    gm.meta.setdefault("fxmem", {})["capture"] = "export"
+    return gm
+
+
+def _symbolic_trace(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    bound.apply_defaults()
+    concrete = {k: v for k, v in bound.arguments.items() if v is None or isinstance(v, (bool, int, float, str))}
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in bound.signature.parameters.values()):
+        raise ValueError("forward takes *args/**kwargs")
+    gm = torch.fx.symbolic_trace(model, concrete_args=concrete or None)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    names = [n.target.lstrip("*") for n in placeholders]
+    if set(names) - set(bound.arguments):
+        raise ValueError(f"traced placeholders {names} do not match forward's arguments")
+    flat = [bound.arguments[name] for name in names]
+    gm.meta["fxmem_input_names"] = names
+    _propagate_fake(gm, flat)
+    _check_same_outputs(model, gm, args, kwargs)
+    return gm
+
+
+def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
+    ep = torch.export.export(model, args, kwargs, strict=False)
+    gm = ep.module()
+    if any("val" not in n.meta for n in gm.graph.nodes if n.op in ("call_function", "placeholder")):
+        _propagate_fake(gm, flat_graph_inputs(gm, args, kwargs))
+    return gm
+
+
+def flat_graph_inputs(gm: torch.fx.GraphModule, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
+    """The values of gm's placeholders, in order, for a call gm(*args, **kwargs)."""
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    if info is not None and info.in_spec is not None:
+        from torch.export._tree_utils import reorder_kwargs
+
+        return pytree.tree_leaves((tuple(args), reorder_kwargs(dict(kwargs), info.in_spec)))
+    names = gm.meta.get("fxmem_input_names")
+    if names is None:
+        names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    signature = inspect.signature(gm.forward)
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return [bound.arguments.get(name) for name in names]
+
+
+def structure_outputs(gm: torch.fx.GraphModule, raw: Any) -> Any:
+    """Outputs as gm(*args) returns them, from what the graph's output node yields."""
+    return gm.graph.process_outputs(raw)
+
+
+def _propagate_fake(gm: torch.fx.GraphModule, flat_inputs: list[Any]) -> None:
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in flat_inputs]
+    FakeTensorProp(gm, mode).propagate(*fake)
+
+
+def _check_same_outputs(model: torch.nn.Module, gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> None:
+    """symbolic_trace silently bakes in Python decisions; compare output structure and shapes on fakes."""
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
+        want = model(*fake_args, **fake_kwargs)
+        got = gm(*fake_args, **fake_kwargs)
+    want_leaves, want_spec = pytree.tree_flatten(want)
+    got_leaves, got_spec = pytree.tree_flatten(got)
+    same = want_spec == got_spec and all(
+        (a.shape, a.dtype) == (b.shape, b.dtype) if isinstance(a, torch.Tensor) else type(a) is type(b)
+        for a, b in zip(want_leaves, got_leaves))
+    if not same:
+        raise ValueError("symbolic_trace changed the model's outputs")
+
+
+class _restored_buffers:
+    """Put buffer values back after fake runs: FakeTensorMode lets in-place updates of 0-dim CPU
+    buffers (BatchNorm's num_batches_tracked += 1) through to the real tensor."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def __enter__(self) -> None:
+        self.saved = [(buf, buf.detach().clone()) for buf in self.model.buffers()]
+
+    def __exit__(self, *exc: Any) -> None:
+        with torch.no_grad():
+            for buf, value in self.saved:
+                buf.copy_(value)
+
+
+_KNOWN = (
+    (("data-dependent", "guard_on_data_dependent", "GuardOnDataDependentSymNode", "Could not guard on",
+      "Could not extract specialized integer", "symbolically traced variables cannot be used as inputs to control flow"),
+     "data-dependent control flow (a Python `if`, `while` or `int()` on a tensor's value)",
+     "compute both branches and select with torch.where, use torch.cond, or move the decision out of forward "
+     "(pass it as a Python argument)"),
+    (("item()", "aten._local_scalar_dense", "tolist"),
+     "reading a tensor value into Python (.item() / .tolist())",
+     "keep the value as a tensor, or pass it as a Python argument"),
+    (("nonzero", "unique", "masked_select", "data-dependent output shape"),
+     "an op whose output shape depends on tensor values (nonzero, unique, masked_select, boolean indexing)",
+     "use a fixed-shape formulation (torch.where with a mask), or mark the size with torch._check"),
+)
+
+
+def _explain(exc: Exception, first: Exception | None = None) -> TraceError:
+    text = f"{type(exc).__name__}: {exc}"
+    if first is not None:
+        text += f" | {type(first).__name__}: {first}"
+    for needles, construct, fix in _KNOWN:
+        if any(n in text for n in needles):
+            return TraceError(construct, fix, str(exc))
+    where = _innermost_user_frame(exc)
+    return TraceError(
+        f"{type(exc).__name__} while tracing{where}",
+        "make forward traceable by torch.export (no Python side effects on tensor values, no unsupported "
+        "third-party calls), or pass method='export' / method='symbolic_trace' to see one tracer's full error",
+        str(exc))
+
+
+def _innermost_user_frame(exc: BaseException) -> str:
+    tb, last = exc.__traceback__, None
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        if "/torch/" not in filename and "/fxmem/" not in filename:
+            last = f" at {filename}:{tb.tb_lineno} in {tb.tb_frame.f_code.co_name}"
+        tb = tb.tb_next
+    return last or ""

@@ -1,0 +1,163 @@
+"""Cost model: per node of a joint forward/backward graph, bytes, FLOPs and estimated seconds.
+
+Reads `meta["val"]` (FakeTensors) and `meta["nn_module_stack"]`; FLOPs come from
+`torch.utils.flop_counter.FlopCounterMode` run on the fake values, time from a `DeviceSpec`
+roofline (compute or memory traffic, whichever is slower, plus a per-op overhead).
+Returns a frozen `CostTable`; writes `meta["fxmem"]["cost"]` on each node.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
+
+import torch
+import torch.fx
+from torch._guards import detect_fake_mode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+from fxmem.memory import storage_bytes, storage_key, tensors_of
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """What a device can do: matmul FLOP/s (16-bit and 32-bit), memory bytes/s, per-op overhead."""
+
+    name: str
+    flops_per_s: float
+    fp32_flops_per_s: float
+    bytes_per_s: float
+    op_overhead_s: float
+    memory_bytes: int | None = None
+
+    @classmethod
+    def from_name(cls, name: str) -> "DeviceSpec":
+        try:
+            return DEVICE_PRESETS[name.lower()]
+        except KeyError:
+            raise KeyError(f"unknown device {name!r}; presets: {', '.join(sorted(DEVICE_PRESETS))}") from None
+
+    def flop_rate(self, dtype: torch.dtype | None) -> float:
+        return self.flops_per_s if dtype in (torch.float16, torch.bfloat16) else self.fp32_flops_per_s
+
+    def seconds(self, flops: int, bytes_moved: int, dtype: torch.dtype | None = None) -> float:
+        return self.op_overhead_s + max(flops / self.flop_rate(dtype), bytes_moved / self.bytes_per_s)
+
+
+GB = 10**9
+DEVICE_PRESETS: Mapping[str, DeviceSpec] = MappingProxyType({
+    # A 2-core laptop/CI-class CPU; per-op dispatch overhead dominates small ops.
+    "cpu": DeviceSpec("cpu", 1.0e11, 1.0e11, 15 * GB, 8e-6),
+    # Dense tensor-core peaks (no sparsity) and HBM bandwidth from the vendors' data sheets.
+    "a100": DeviceSpec("a100", 312e12, 156e12, 2039 * GB, 5e-6, 80 * 2**30),
+    "h100": DeviceSpec("h100", 989e12, 494e12, 3350 * GB, 4e-6, 80 * 2**30),
+    "h200": DeviceSpec("h200", 989e12, 494e12, 4800 * GB, 4e-6, 141 * 2**30),
+    "l4": DeviceSpec("l4", 121e12, 60e12, 300 * GB, 5e-6, 24 * 2**30),
+    "rtx4090": DeviceSpec("rtx4090", 165e12, 82e12, 1008 * GB, 5e-6, 24 * 2**30),
+})
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """One node's costs. `saved_bytes`: storage bytes it keeps alive for backward when saved (0 for views)."""
+
+    name: str
+    op: str
+    module: str
+    out_bytes: int
+    saved_bytes: int
+    flops: int
+    seconds: float
+    is_view: bool
+
+
+@dataclass(frozen=True)
+class CostTable:
+    device: DeviceSpec
+    nodes: Mapping[str, NodeCost] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> NodeCost:
+        return self.nodes[name]
+
+    def total_flops(self) -> int:
+        return sum(c.flops for c in self.nodes.values())
+
+    def total_seconds(self) -> float:
+        return sum(c.seconds for c in self.nodes.values())
+
+
+def module_path(node: torch.fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return _clean_path(path)
+
+
+def _clean_path(path: str) -> str:
+    # export records paths like "L['self'].layers[0]" in some modes; keep the dotted form.
+    path = path.replace("L['self'].", "").replace("L['self']", "")
+    for ch in "[]'\"":
+        path = path.replace(ch, "." if ch == "[" else "")
+    return ".".join(p for p in path.split(".") if p and p != "_modules")
+
+
+def is_view(node: torch.fx.Node) -> bool:
+    """True when every tensor the node yields shares storage with an input of its op
+    (for `getitem`, an input of the multi-output op it picks from)."""
+    outs = tensors_of(node)
+    if node.op != "call_function" or not outs:
+        return False
+    source = node
+    if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+        source = node.args[0]
+    inputs = {storage_key(t) for n in source.all_input_nodes for t in tensors_of(n)}
+    return all(storage_key(t) in inputs for t in outs)
+
+
+def _count_flops(node: torch.fx.Node) -> int:
+    target = node.target
+    packet = getattr(target, "overloadpacket", None)
+    if packet not in flop_registry:
+        return 0
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+    fake_mode = detect_fake_mode(tuple(t for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                                       if isinstance(t, torch.Tensor)))
+    counter = FlopCounterMode(display=False)
+    with fake_mode or torch.device("meta"), counter:
+        target(*args, **kwargs)
+    return int(counter.get_total_flops())
+
+
+def estimate(gm: torch.fx.GraphModule, device: DeviceSpec | None = None,
+             backward: set[torch.fx.Node] | frozenset[torch.fx.Node] = frozenset()) -> CostTable:
+    """Cost every call_function node of `gm`; `backward` names the joint graph's backward nodes,
+    so a forward node read by one of them reports the bytes eager autograd would save for it."""
+    device = device or DEVICE_PRESETS["cpu"]
+    table: dict[str, NodeCost] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        outs = tensors_of(node)
+        view = is_view(node)
+        out_bytes = 0 if view else sum({storage_key(t): storage_bytes(t) for t in outs}.values())
+        if view or node.target is operator.getitem:
+            flops, seconds = 0, 0.0
+        else:
+            in_bytes = sum(t.numel() * t.element_size() for n in node.all_input_nodes for t in tensors_of(n))
+            flops = _count_flops(node)
+            seconds = device.seconds(flops, in_bytes + out_bytes, outs[0].dtype if outs else None)
+        saved = out_bytes if any(u in backward for u in node.users) and node not in backward else 0
+        cost = NodeCost(node.name, _op_name(node), module_path(node), out_bytes, saved, flops, seconds, view)
+        node.meta.setdefault("fxmem", {})["cost"] = cost
+        table[node.name] = cost
+    return CostTable(device, MappingProxyType(table))
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    target = node.target
+    if target is operator.getitem:
+        return "getitem"
+    name = getattr(target, "__name__", None) or str(target)
+    return str(getattr(target, "_name", name)).replace("aten::", "")

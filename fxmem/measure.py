@@ -1,0 +1,52 @@
+"""Independent memory meter for one training step: MemTracker on CPU, the CUDA allocator on GPU.
+
+Reads nothing of fxmem's predictions; runs the step it is given and returns the peak bytes
+it saw (parameters, gradients, activations and temporaries). Writes nothing.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+
+
+def training_step(module: torch.nn.Module, inputs: Sequence[Any], kwargs: dict | None = None) -> Any:
+    """Forward, a scalar loss (the output itself, or the sum of its floating tensors), backward."""
+    out = module(*inputs, **(kwargs or {}))
+    loss = out if isinstance(out, torch.Tensor) and out.dim() == 0 else sum(
+        t.float().sum() for t in torch.utils._pytree.tree_leaves(out)
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad)
+    loss.backward()
+    return out
+
+
+def measure_peak_bytes(module: torch.nn.Module, inputs: Sequence[Any], kwargs: dict | None = None,
+                       step: Callable[..., Any] = training_step) -> int:
+    """Peak bytes of one step, gradients set to None first (as after `zero_grad()`)."""
+    for p in module.parameters():
+        p.grad = None
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+        step(module, inputs, kwargs)
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - start + _resident_bytes(module, inputs)
+    tracker = MemTracker()
+    tracker.track_external(module, *[x for x in inputs if isinstance(x, torch.Tensor)])
+    with tracker:
+        step(module, inputs, kwargs)
+    peak = tracker.get_tracker_snapshot("peak")
+    return max(snap["Total"] for snap in peak.values())
+
+
+def _resident_bytes(module: torch.nn.Module, inputs: Sequence[Any]) -> int:
+    """Parameters, buffers and inputs allocated before the step (MemTracker counts them too)."""
+    seen: dict[Any, int] = {}
+    tensors = list(module.parameters()) + list(module.buffers()) + [x for x in inputs if isinstance(x, torch.Tensor)]
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())

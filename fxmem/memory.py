@@ -1,0 +1,138 @@
+"""Memory simulator: live bytes at every step of a training step's forward and backward graphs.
+
+Reads `meta["val"]` (FakeTensors) of fx nodes; counts unique storages (views share their base's),
+allocates at the producing node and frees after the last use, as fx-generated code with boxed
+inputs does. Parameters, buffers and inputs are alive throughout; model outputs and gradients
+are held until the step ends. Writes nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Hashable, Iterable, Sequence
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch.multiprocessing.reductions import StorageWeakRef
+
+
+def tensors_of(node: torch.fx.Node) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor)]
+
+
+def storage_key(t: torch.Tensor) -> Hashable:
+    return StorageWeakRef(t.untyped_storage())
+
+
+def storage_bytes(t: torch.Tensor) -> int:
+    return int(t.untyped_storage().nbytes())
+
+
+def storages_of(node: torch.fx.Node) -> dict[Hashable, int]:
+    """The storages a node's value refers to, with their sizes in bytes."""
+    return {storage_key(t): storage_bytes(t) for t in tensors_of(node)}
+
+
+@dataclass(frozen=True)
+class MemoryTimeline:
+    """Live bytes at each simulated step; `static` (parameters, buffers, inputs) is included in `live`."""
+
+    names: tuple[str, ...]
+    phases: tuple[str, ...]
+    live: tuple[int, ...]
+    static: int
+
+    @property
+    def peak(self) -> int:
+        return max(self.live, default=self.static)
+
+    @property
+    def peak_index(self) -> int:
+        return max(range(len(self.live)), key=self.live.__getitem__) if self.live else -1
+
+
+class Walker:
+    """Allocation and freeing of storages along one node sequence."""
+
+    def __init__(self, static: dict[Hashable, int]):
+        self.static = static
+        self.static_bytes = sum(static.values())
+        self.exclude: set[Hashable] = set()
+        self.live: dict[Hashable, int] = {}
+        self.names: list[str] = []
+        self.phases: list[str] = []
+        self.levels: list[int] = []
+
+    def allocate(self, storages: dict[Hashable, int]) -> None:
+        for key, nbytes in storages.items():
+            if key not in self.static and key not in self.exclude:
+                self.live.setdefault(key, nbytes)
+
+    def record(self, name: str, phase: str) -> None:
+        self.names.append(name)
+        self.phases.append(phase)
+        self.levels.append(self.static_bytes + sum(self.live.values()))
+
+    def walk(self, nodes: Sequence[torch.fx.Node], phase: str, *, keep: set[Hashable],
+             counted_users: Any = None) -> None:
+        """Run `nodes` in order; a storage dies after the last (counted) use of every node referring to it."""
+        position = {n: i for i, n in enumerate(nodes)}
+        death: dict[Hashable, int] = {}
+        for i, node in enumerate(nodes):
+            users = [u for u in node.users if u in position and (counted_users is None or counted_users(u))]
+            last = max((position[u] for u in users), default=i)
+            for key in storages_of(node):
+                death[key] = max(death.get(key, -1), last)
+        dying: dict[int, list[Hashable]] = {}
+        for key, when in death.items():
+            if key not in keep:
+                dying.setdefault(when, []).append(key)
+        for i, node in enumerate(nodes):
+            if node.op == "call_function":
+                self.allocate(storages_of(node))
+                self.record(node.name, phase)
+            elif node.op == "placeholder":
+                self.allocate(storages_of(node))
+            for key in dying.get(i, ()):
+                self.live.pop(key, None)
+
+    def timeline(self) -> MemoryTimeline:
+        return MemoryTimeline(tuple(self.names), tuple(self.phases), tuple(self.levels), self.static_bytes)
+
+
+def _placeholders(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return list(gm.graph.find_nodes(op="placeholder"))
+
+
+def _outputs(gm: torch.fx.GraphModule) -> list[Any]:
+    return list(pytree.tree_leaves(gm.graph.output_node().args[0]))
+
+
+def _keys(nodes: Iterable[Any]) -> set[Hashable]:
+    keys: set[Hashable] = set()
+    for n in nodes:
+        if isinstance(n, torch.fx.Node):
+            keys.update(storages_of(n))
+    return keys
+
+
+def simulate_step(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, num_user_outputs: int) -> MemoryTimeline:
+    """Simulate forward graph `fw` then backward graph `bw` as AOTAutograd runs them.
+
+    fw returns `num_user_outputs` values for the caller (mutated buffers, model outputs), then the
+    values saved for backward; bw takes those saved values and the tangents and returns gradients.
+    """
+    static = {}
+    for node in _placeholders(fw):
+        static.update(storages_of(node))
+    walker = Walker(static)
+    fw_outputs = _outputs(fw)
+    held_by_user = _keys(fw_outputs[:num_user_outputs])
+    returned = _keys(fw_outputs)
+    walker.walk(list(fw.graph.nodes), "forward", keep=returned)
+    for key in list(walker.live):
+        if key not in returned:
+            walker.live.pop(key)
+    grads = _keys(_outputs(bw))
+    walker.walk(list(bw.graph.nodes), "backward", keep=held_by_user | grads)
+    return walker.timeline()

@@ -1,0 +1,78 @@
+"""Plan tables: per module path (or per op) what is kept and recomputed, and a summary.
+
+Reads a `Plan` (its `nodes` rows and figures); returns text made with tabulate. Writes nothing.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Iterable
+
+from tabulate import tabulate
+
+from fxmem.errors import fmt_bytes
+
+MIB = 2**20
+
+
+def _group(rows: Iterable[dict[str, Any]], by: str) -> "OrderedDict[str, list[dict[str, Any]]]":
+    groups: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+    for row in rows:
+        key = row.get(by) or "(top level)" if by == "module" else row.get(by, "?")
+        groups.setdefault(key, []).append(row)
+    return groups
+
+
+def _decision(rows: list[dict[str, Any]]) -> str:
+    heavy = [r for r in rows if r["bytes"] > 0]
+    recomputed = sum(r["decision"] == "recompute" for r in heavy)
+    if not heavy or recomputed == 0:
+        return "keep"
+    if recomputed == len(heavy):
+        return "recompute"
+    return f"recompute {recomputed}/{len(heavy)}"
+
+
+def plan_rows(plan: Any, by: str = "module") -> list[list[Any]]:
+    rows = []
+    for key, group in _group(plan.nodes, by).items():
+        kept = sum(r["bytes"] for r in group if r["decision"] == "save")
+        recomputed = sum(r["bytes"] for r in group if r["decision"] == "recompute")
+        flops = sum(r["flops"] for r in group if r["decision"] == "recompute")
+        ops = sorted({r["op"] for r in group if r["bytes"] > 0}) or sorted({r["op"] for r in group})
+        label = ", ".join(ops[:4]) + (f" +{len(ops) - 4}" if len(ops) > 4 else "")
+        rows.append([key, label, round(kept / MIB, 2), round(recomputed / MIB, 2),
+                     f"{flops / 1e6:,.1f}", _decision(group)])
+    return rows
+
+
+def summary_rows(plan: Any) -> list[list[str]]:
+    rows = [
+        ["eager peak (no recompute)", fmt_bytes(plan.baseline_peak_bytes)],
+        ["predicted peak", fmt_bytes(plan.predicted_peak_bytes)],
+        ["budget", fmt_bytes(plan.budget_bytes)],
+    ]
+    if plan.min_budget_bytes is not None:
+        rows.append(["minimum feasible budget", fmt_bytes(plan.min_budget_bytes)])
+    for name, nbytes in plan.breakdown.items():
+        rows.append([f"  of which {name}", fmt_bytes(nbytes)])
+    step_overhead = (plan.predicted_step_s / plan.baseline_step_s - 1) * 100 if plan.baseline_step_s else 0.0
+    rows += [
+        ["activation memory removed", f"{plan.activation_reduction_pct:.1f}%"],
+        ["extra FLOPs", f"{plan.extra_flops / 1e9:,.3f} GFLOP ({plan.extra_flops_pct:.2f}% of the step)"],
+        ["predicted step time", f"{plan.predicted_step_s * 1e3:,.2f} ms on {plan.device} "
+                                f"(eager {plan.baseline_step_s * 1e3:,.2f} ms, +{step_overhead:.1f}%)"],
+        ["recomputed values", str(len(plan.recompute))],
+        ["solver", f"{plan.solver}: {plan.solver_status}, gap {plan.solver_gap * 100:.2f}%, "
+                   f"{plan.solve_time_s:.2f} s"],
+    ]
+    return rows
+
+
+def format_plan(plan: Any, by: str = "module") -> str:
+    if by not in ("module", "op"):
+        raise ValueError(f"group plan rows by 'module' or 'op', not {by!r}")
+    headers = [by, "ops", "kept MiB", "recomputed MiB", "recompute MFLOP", "decision"]
+    body = tabulate(plan_rows(plan, by), headers=headers, tablefmt="simple", floatfmt=".2f")
+    summary = tabulate(summary_rows(plan), tablefmt="simple")
+    title = f"fxmem plan for {plan.model} {plan.signature}"
+    return f"{title}\n\n{body}\n\n{summary}"

@@ -1,0 +1,151 @@
+"""Joint graph -> MemoryProblem: which forward values backward needs, when, and what they cost.
+
+Reads an AOTAutograd joint forward/backward GraphModule (`meta["val"]`, `meta["partitioner_tag"]`)
+and a `CostTable`; returns a torch-free `MemoryProblem` whose steps are the joint graph's
+call_function nodes in order (forward, then backward) plus the node of each candidate.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable
+
+import torch
+import torch.fx
+
+from fxmem.cost import CostTable, is_view
+from fxmem.memory import Walker, storages_of
+from fxmem.problem import MemoryProblem
+
+
+@dataclass(frozen=True)
+class JointSplit:
+    """The joint graph cut into its forward and backward call_function nodes."""
+
+    forward: tuple[torch.fx.Node, ...]
+    backward: tuple[torch.fx.Node, ...]
+    primals: tuple[torch.fx.Node, ...]
+    tangents: tuple[torch.fx.Node, ...]
+    user_outputs: tuple[torch.fx.Node, ...]
+    grads: tuple[torch.fx.Node, ...]
+
+
+def split_joint(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> JointSplit:
+    placeholders = list(joint.graph.find_nodes(op="placeholder"))
+    tangents = [p for p in placeholders if p.name.startswith("tangents")]
+    primals = [p for p in placeholders if p not in tangents]
+    in_backward: set[torch.fx.Node] = set(tangents)
+    forward, backward = [], []
+    for node in joint.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.meta.get("partitioner_tag") == "is_backward" or any(i in in_backward for i in node.all_input_nodes):
+            in_backward.add(node)
+            backward.append(node)
+        else:
+            forward.append(node)
+    outs = list(torch.utils._pytree.tree_leaves(joint.graph.output_node().args[0]))
+    is_node = lambda n: isinstance(n, torch.fx.Node)  # noqa: E731
+    return JointSplit(tuple(forward), tuple(backward), tuple(primals), tuple(tangents),
+                      tuple(filter(is_node, outs[:num_fwd_outputs])), tuple(filter(is_node, outs[num_fwd_outputs:])))
+
+
+def can_recompute(node: torch.fx.Node) -> bool:
+    """Random ops are kept (recomputing them would draw new numbers); so are side effects."""
+    target = node.target
+    if node.op != "call_function" or node.is_impure():
+        return False
+    tags = getattr(target, "tags", ())
+    return torch.Tag.nondeterministic_seeded not in tags
+
+
+def _multi_output(node: torch.fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), (tuple, list))
+
+
+@dataclass(frozen=True)
+class Lowered:
+    problem: MemoryProblem
+    nodes: tuple[torch.fx.Node, ...]  # candidate index -> joint node
+    primals: tuple[torch.fx.Node, ...]
+
+
+def build_problem(joint: torch.fx.GraphModule, split: JointSplit, costs: CostTable, budget: int) -> Lowered:
+    steps = list(split.forward) + list(split.backward)
+    step_of = {n: i for i, n in enumerate(steps)}
+    num_fw = len(split.forward)
+    forward_set = set(split.forward)
+
+    static: dict[Hashable, int] = {}
+    for p in split.primals:
+        static.update(storages_of(p))
+    held = {k for n in split.user_outputs for k in storages_of(n)}
+    output_node = joint.graph.output_node()
+    walker = Walker(static)
+    walker.walk(list(split.forward) + [output_node], "forward", keep=held,
+                counted_users=lambda u: u in forward_set or u is output_node)
+    fw_death = _storage_death(split.forward, step_of, lambda u: u in forward_set)
+    forward_keys = {k for n in split.forward for k in storages_of(n)}
+    for key in list(walker.live):
+        if key not in held:
+            walker.live.pop(key)
+    grads = {k for n in split.grads for k in storages_of(n)}
+    walker.exclude = forward_keys - held
+    walker.walk(list(split.tangents) + list(split.backward) + [output_node], "backward",
+                keep=held | grads)
+    base = tuple(walker.levels)
+
+    bw_death = _storage_death(split.backward, step_of, lambda u: u in step_of)
+    first_need: dict[torch.fx.Node, int] = {}
+    last_need: dict[torch.fx.Node, int] = {}
+    for node in reversed(split.forward):
+        firsts, lasts = [], []
+        for user in node.users:
+            if user in step_of and step_of[user] >= num_fw:
+                firsts.append(step_of[user])
+                lasts.append(step_of[user])
+            elif user in first_need:
+                firsts.append(first_need[user])
+                lasts.append(last_need[user] if _aliases(user, node) else first_need[user])
+        lasts += [bw_death[k] for k in storages_of(node) if k in bw_death]
+        if firsts:
+            first_need[node] = min(firsts)
+            last_need[node] = max(max(lasts), first_need[node])
+
+    nodes = [n for n in split.forward if n in first_need]
+    index = {n: i for i, n in enumerate(nodes)}
+    size, cost, inputs, needed, can_save, can_rec, save_span, rec_span = ([] for _ in range(8))
+    for node in nodes:
+        view = is_view(node)
+        multi = _multi_output(node)
+        own = {k: b for k, b in storages_of(node).items() if k not in static and k not in held}
+        nbytes = 0 if view else sum(own.values())
+        size.append(nbytes)
+        cost.append(int(round(costs[node.name].seconds * 1e9)) if node.name in costs.nodes else 0)
+        inputs.append(tuple(index[i] for i in node.all_input_nodes if i in index))
+        needed.append(any(step_of.get(u, -1) >= num_fw for u in node.users))
+        can_save.append(not view and not multi)
+        can_rec.append(can_recompute(node))
+        alive_from = max((fw_death.get(k, step_of[node]) for k in own), default=step_of[node]) + 1
+        save_span.append((alive_from, last_need[node]) if own and not view else (1, 0))
+        rec_last = first_need[node] if multi else last_need[node]
+        rec_span.append((first_need[node], rec_last) if nbytes else (1, 0))
+    problem = MemoryProblem(
+        names=tuple(n.name for n in nodes), size=tuple(size), cost=tuple(cost), inputs=tuple(inputs),
+        needed=tuple(needed), can_save=tuple(can_save), can_recompute=tuple(can_rec),
+        save_span=tuple(save_span), recompute_span=tuple(rec_span), base=base, budget=int(budget))
+    return Lowered(problem, tuple(nodes), split.primals)
+
+
+def _aliases(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    return bool(set(storages_of(a)) & set(storages_of(b)))
+
+
+def _storage_death(nodes, step_of, counted) -> dict[Hashable, int]:
+    """Per storage: the last step at which any node referring to it is used (or produced)."""
+    death: dict[Hashable, int] = {}
+    for node in nodes:
+        last = max([step_of[u] for u in node.users if counted(u)] + [step_of[node]])
+        for key in storages_of(node):
+            death[key] = max(death.get(key, -1), last)
+    return death
+

@@ -1,0 +1,37 @@
+"""Recompute pass: cut a joint forward/backward graph into the forward and backward graphs a plan asks for.
+
+Reads the plan's saved node names; tags each joint node `meta["fxmem"]["decision"]` ("save",
+"recompute" or absent) and torch's `meta["recompute"]` (`CheckpointPolicy`), then extracts the
+forward graph (returns outputs + saved values) and the backward graph, where each recomputed
+value is placed just before its first use (as the autograd engine would order it).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch.fx
+from torch._functorch.partitioners import _extract_fwd_bwd_modules, reordering_to_mimic_autograd_engine
+from torch.utils.checkpoint import CheckpointPolicy
+
+
+def tag_decisions(joint: torch.fx.GraphModule, saved: Iterable[str], recomputed: Iterable[str]) -> torch.fx.GraphModule:
+    saved, recomputed = set(saved), set(recomputed)
+    for node in joint.graph.nodes:
+        decision = "save" if node.name in saved else "recompute" if node.name in recomputed else None
+        if decision is None:
+            continue
+        node.meta.setdefault("fxmem", {})["decision"] = decision
+        node.meta["recompute"] = CheckpointPolicy.MUST_SAVE if decision == "save" else CheckpointPolicy.MUST_RECOMPUTE
+    return joint
+
+
+def partition(joint: torch.fx.GraphModule, saved: Iterable[str], *, num_fwd_outputs: int
+              ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    """Forward and backward graphs that keep exactly `saved` (joint node names) between them."""
+    by_name = {n.name: n for n in joint.graph.nodes}
+    missing = [name for name in saved if name not in by_name]
+    if missing:
+        raise KeyError(f"saved values not in the joint graph: {missing[:5]}")
+    saved_nodes = [by_name[name] for name in sorted(saved, key=list(by_name).index)]
+    fw, bw = _extract_fwd_bwd_modules(joint, saved_nodes, [], num_fwd_outputs=num_fwd_outputs)
+    return fw, reordering_to_mimic_autograd_engine(bw)

@@ -1,7 +1,7 @@
 """Independent memory meter for one training step: MemTracker on CPU, the CUDA allocator on GPU.
 
-Reads nothing of fxmem's predictions; runs the step it is given and returns the peak bytes
-it saw (parameters, gradients, activations and temporaries). Writes nothing.
+Reads nothing of fxmem's predictions; runs the step it is given (after one warm-up step) and
+returns the peak bytes it saw (parameters, gradients, activations and temporaries). Writes nothing.
 """
 from __future__ import annotations
 
@@ -11,19 +11,31 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 
+def loss_of(out: Any) -> torch.Tensor:
+    """The scalar to call backward on: the output itself, its `loss` field, or the sum of its
+    floating-point tensors."""
+    if isinstance(out, torch.Tensor) and out.dim() == 0:
+        return out
+    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+        return loss
+    return sum(t.float().sum() for t in torch.utils._pytree.tree_leaves(out)
+               if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad)
+
+
 def training_step(module: torch.nn.Module, inputs: Sequence[Any], kwargs: dict | None = None) -> Any:
-    """Forward, a scalar loss (the output itself, or the sum of its floating tensors), backward."""
+    """Forward, loss, backward; the outputs stay referenced until backward ends, as in a training loop."""
     out = module(*inputs, **(kwargs or {}))
-    loss = out if isinstance(out, torch.Tensor) and out.dim() == 0 else sum(
-        t.float().sum() for t in torch.utils._pytree.tree_leaves(out)
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad)
-    loss.backward()
+    loss_of(out).backward()
     return out
 
 
 def measure_peak_bytes(module: torch.nn.Module, inputs: Sequence[Any], kwargs: dict | None = None,
-                       step: Callable[..., Any] = training_step) -> int:
-    """Peak bytes of one step, gradients set to None first (as after `zero_grad()`)."""
+                       step: Callable[..., Any] = training_step, warmup: bool = True) -> int:
+    """Peak bytes of one step, gradients set to None first (as after `zero_grad()`). With `warmup`
+    a first, unmeasured step runs before (it compiles and plans; it also trains the module once)."""
+    if warmup:
+        step(module, inputs, kwargs)
     for p in module.parameters():
         p.grad = None
     device = next((p.device for p in module.parameters()), torch.device("cpu"))

@@ -20,11 +20,19 @@ from fxmem.memory import MemoryTimeline, simulate_step, storages_of
 from fxmem.plan import Plan, graph_fingerprint
 from fxmem.problem import eager_decision, saved_set
 from fxmem.schedule import JointSplit, Lowered, build_problem, split_joint
-from fxmem.solve import Solution, min_peak, solve
+from fxmem.solve import Solution, make_solution, min_peak, solve
 from fxmem.passes.recompute import partition, tag_decisions
 from fxmem.passes.runner import run_passes
 
 MAX_TIGHTENINGS = 8
+# Plans aim a little below the budget: the simulator sizes storages from fake tensors, and a few
+# kernels allocate more than that (CPU mse_loss returns a scalar whose storage is the size of its
+# input), plus autograd's seed gradient for the loss. 0.5% or 64 KiB, whichever is larger.
+SAFETY_FRACTION, SAFETY_MIN_BYTES = 0.005, 64 * 1024
+
+
+def safety_bytes(budget: int) -> int:
+    return max(SAFETY_MIN_BYTES, int(budget * SAFETY_FRACTION))
 
 
 @dataclass
@@ -86,7 +94,7 @@ class Planner:
         eager = self._candidate(joint, lowered, eager_decision(lowered.problem))
         start = time.perf_counter()
         chosen, solution, min_budget = eager, None, None
-        if eager.timeline.peak > budget:
+        if eager.timeline.peak + safety_bytes(budget) > budget:
             chosen, solution, min_budget = self._fit(joint, lowered, split, budget)
         solve_time = time.perf_counter() - start
         saved = [n.name for n in chosen.bw.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
@@ -110,9 +118,13 @@ class Planner:
     def _fit(self, joint, lowered: Lowered, split: JointSplit, budget: int):
         """Solve, simulate, and tighten the solver's budget by the overshoot until the graphs fit."""
         request, problem = self.request, lowered.problem
+        margin = safety_bytes(budget)
+        budget -= margin
         target = budget
         best: tuple[_Candidate, Solution] | None = None
         for _ in range(MAX_TIGHTENINGS):
+            if target <= 0:
+                break
             solution = solve(dataclasses.replace(problem, budget=target), request.solver, request.time_limit_s)
             if solution.status == "infeasible":
                 break
@@ -121,16 +133,22 @@ class Planner:
                 best = (candidate, solution)
                 break
             target -= candidate.timeline.peak - budget
-        if best is None:
-            raise self._infeasible(joint, lowered, split, budget)
-        return best[0], best[1], None
-
-    def _infeasible(self, joint, lowered: Lowered, split: JointSplit, budget: int) -> InfeasibleBudgetError:
-        _, decision = min_peak(lowered.problem, self.request.time_limit_s)
-        lowest = self._candidate(joint, lowered, decision).timeline.peak
+        if best is not None:
+            return best[0], best[1], None
+        started = time.perf_counter()
+        _, decision = min_peak(problem, request.time_limit_s)
+        lowest = self._candidate(joint, lowered, decision)
+        if lowest.timeline.peak <= budget:
+            solution = make_solution(problem, decision, "feasible", 0, started, "min-peak")
+            return lowest, solution, _with_margin(lowest.timeline.peak)
         breakdown = _breakdown(split)
-        breakdown["smallest activation set"] = max(0, lowest - sum(breakdown.values()))
-        return InfeasibleBudgetError(int(budget), int(lowest), breakdown)
+        breakdown["smallest activation set"] = max(0, lowest.timeline.peak - sum(breakdown.values()))
+        raise InfeasibleBudgetError(int(budget + margin), _with_margin(lowest.timeline.peak), breakdown)
+
+
+def _with_margin(peak: int) -> int:
+    """The least budget whose safety margin still leaves `peak` room."""
+    return max(peak + SAFETY_MIN_BYTES, int(peak / (1 - SAFETY_FRACTION)) + 1)
 
 
 def _saved_names(lowered: Lowered, recompute: frozenset[int]) -> list[str]:

@@ -14,7 +14,7 @@ import torch.fx
 
 from fxmem.cost import CostTable, is_view
 from fxmem.memory import Walker, storages_of
-from fxmem.problem import MemoryProblem
+from fxmem.problem import NEVER, MemoryProblem
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ class JointSplit:
     tangents: tuple[torch.fx.Node, ...]
     user_outputs: tuple[torch.fx.Node, ...]
     grads: tuple[torch.fx.Node, ...]
+    mutated: frozenset[torch.fx.Node]  # primals written back after forward (BatchNorm running stats)
 
 
 def split_joint(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> JointSplit:
@@ -43,16 +44,21 @@ def split_joint(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> JointSplit
             backward.append(node)
         else:
             forward.append(node)
-    outs = list(torch.utils._pytree.tree_leaves(joint.graph.output_node().args[0]))
+    output = joint.graph.output_node()
+    outs = list(torch.utils._pytree.tree_leaves(output.args[0]))
     is_node = lambda n: isinstance(n, torch.fx.Node)  # noqa: E731
+    written = {repr(d.mutated_input) for d in output.meta.get("desc") or () if hasattr(d, "mutated_input")}
+    mutated = frozenset(p for p in primals if repr(p.meta.get("desc")) in written)
     return JointSplit(tuple(forward), tuple(backward), tuple(primals), tuple(tangents),
-                      tuple(filter(is_node, outs[:num_fwd_outputs])), tuple(filter(is_node, outs[num_fwd_outputs:])))
+                      tuple(filter(is_node, outs[:num_fwd_outputs])), tuple(filter(is_node, outs[num_fwd_outputs:])),
+                      mutated)
 
 
-def can_recompute(node: torch.fx.Node) -> bool:
-    """Random ops are kept (recomputing them would draw new numbers); so are side effects."""
+def can_recompute(node: torch.fx.Node, mutated: frozenset[torch.fx.Node] = frozenset()) -> bool:
+    """Random ops are kept (recomputing them would draw new numbers); so are side effects and
+    ops that read an input written back after forward (backward would see the new value)."""
     target = node.target
-    if node.op != "call_function" or node.is_impure():
+    if node.op != "call_function" or node.is_impure() or any(i in mutated for i in node.all_input_nodes):
         return False
     tags = getattr(target, "tags", ())
     return torch.Tag.nondeterministic_seeded not in tags
@@ -95,49 +101,39 @@ def build_problem(joint: torch.fx.GraphModule, split: JointSplit, costs: CostTab
     base = tuple(walker.levels)
 
     bw_death = _storage_death(split.backward, step_of, lambda u: u in step_of)
-    first_need: dict[torch.fx.Node, int] = {}
-    last_need: dict[torch.fx.Node, int] = {}
-    for node in reversed(split.forward):
-        firsts, lasts = [], []
-        for user in node.users:
-            if user in step_of and step_of[user] >= num_fw:
-                firsts.append(step_of[user])
-                lasts.append(step_of[user])
-            elif user in first_need:
-                firsts.append(first_need[user])
-                lasts.append(last_need[user] if _aliases(user, node) else first_need[user])
-        lasts += [bw_death[k] for k in storages_of(node) if k in bw_death]
-        if firsts:
-            first_need[node] = min(firsts)
-            last_need[node] = max(max(lasts), first_need[node])
-
-    nodes = [n for n in split.forward if n in first_need]
+    relevant = _needed_transitively(split.forward, step_of, num_fw)
+    nodes = [n for n in split.forward if n in relevant]
     index = {n: i for i, n in enumerate(nodes)}
-    size, cost, inputs, needed, can_save, can_rec, save_span, rec_span = ([] for _ in range(8))
+    columns: dict[str, list] = {k: [] for k in (
+        "size", "cost", "inputs", "aliases", "needed", "can_save", "can_recompute",
+        "saved_from", "need_first", "need_last")}
     for node in nodes:
         view = is_view(node)
-        multi = _multi_output(node)
         own = {k: b for k, b in storages_of(node).items() if k not in static and k not in held}
-        nbytes = 0 if view else sum(own.values())
-        size.append(nbytes)
-        cost.append(int(round(costs[node.name].seconds * 1e9)) if node.name in costs.nodes else 0)
-        inputs.append(tuple(index[i] for i in node.all_input_nodes if i in index))
-        needed.append(any(step_of.get(u, -1) >= num_fw for u in node.users))
-        can_save.append(not view and not multi)
-        can_rec.append(can_recompute(node))
-        alive_from = max((fw_death.get(k, step_of[node]) for k in own), default=step_of[node]) + 1
-        save_span.append((alive_from, last_need[node]) if own and not view else (1, 0))
-        rec_last = first_need[node] if multi else last_need[node]
-        rec_span.append((first_need[node], rec_last) if nbytes else (1, 0))
-    problem = MemoryProblem(
-        names=tuple(n.name for n in nodes), size=tuple(size), cost=tuple(cost), inputs=tuple(inputs),
-        needed=tuple(needed), can_save=tuple(can_save), can_recompute=tuple(can_rec),
-        save_span=tuple(save_span), recompute_span=tuple(rec_span), base=base, budget=int(budget))
+        reads = [step_of[u] for u in node.users if step_of.get(u, -1) >= num_fw]
+        columns["size"].append(0 if view else sum(own.values()))
+        columns["cost"].append(int(round(costs[node.name].seconds * 1e9)) if node.name in costs.nodes else 0)
+        columns["inputs"].append(tuple(index[i] for i in node.all_input_nodes if i in index))
+        columns["aliases"].append(view)
+        columns["needed"].append(bool(reads))
+        columns["can_save"].append(not view and not _multi_output(node))
+        columns["can_recompute"].append(can_recompute(node, split.mutated))
+        columns["saved_from"].append(max((fw_death.get(k, step_of[node]) for k in own), default=step_of[node]) + 1)
+        columns["need_first"].append(min(reads) if reads else NEVER)
+        last = max(reads + [bw_death[k] for k in storages_of(node) if k in bw_death]) if reads else NEVER
+        columns["need_last"].append(last)
+    problem = MemoryProblem(names=tuple(n.name for n in nodes), base=base, budget=int(budget),
+                            **{k: tuple(v) for k, v in columns.items()})
     return Lowered(problem, tuple(nodes), split.primals)
 
 
-def _aliases(a: torch.fx.Node, b: torch.fx.Node) -> bool:
-    return bool(set(storages_of(a)) & set(storages_of(b)))
+def _needed_transitively(forward, step_of, num_fw) -> set[torch.fx.Node]:
+    """Forward nodes that backward reads, and everything they are computed from."""
+    needed: set[torch.fx.Node] = set()
+    for node in reversed(forward):
+        if any(step_of.get(u, -1) >= num_fw or u in needed for u in node.users):
+            needed.add(node)
+    return needed
 
 
 def _storage_death(nodes, step_of, counted) -> dict[Hashable, int]:

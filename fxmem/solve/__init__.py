@@ -1,0 +1,98 @@
+"""Solvers for the keep-or-recompute problem: pick the recompute set R for a `MemoryProblem`.
+
+Reads a `fxmem.problem.MemoryProblem` and nothing else (no torch, no fx, no files);
+returns a `Solution` whose objective and peak are always recomputed from R with the
+helpers in `fxmem.problem`, whatever the solver believed internally.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from fxmem.problem import MemoryProblem, is_valid, peak_bytes, recompute_cost
+
+
+@dataclass(frozen=True)
+class Solution:
+    """A decision and what it costs. `status` is "optimal", "feasible" or "infeasible"
+    ("infeasible": no valid R with peak <= budget was found; R is then the solver's best try)."""
+
+    recompute: frozenset[int]
+    status: str
+    objective: int
+    peak: int
+    bound: int
+    gap: float
+    solve_time_s: float
+    solver: str
+
+
+def make_solution(problem: MemoryProblem, recompute: Iterable[int], status: str, bound: int,
+                  started: float, solver: str) -> Solution:
+    """Package R, measuring objective and peak with the problem helpers.
+    `started` is a `time.perf_counter()` reading taken when the solver began."""
+    rec = frozenset(recompute)
+    objective = recompute_cost(problem, rec)
+    if status == "optimal":
+        bound = objective
+    bound = max(0, min(int(bound), objective)) if status != "infeasible" else 0
+    gap = 0.0 if status == "optimal" else (objective - bound) / max(objective, 1)
+    return Solution(recompute=rec, status=status, objective=objective,
+                    peak=peak_bytes(problem, rec), bound=bound, gap=gap,
+                    solve_time_s=time.perf_counter() - started, solver=solver)
+
+
+def solve(problem: MemoryProblem, solver: str = "cpsat", time_limit_s: float = 10.0) -> Solution:
+    """Run the named solver (see `SOLVERS`) on `problem` within about `time_limit_s` seconds."""
+    if solver not in SOLVERS:
+        raise ValueError(f"unknown solver {solver!r}; choose one of: {', '.join(sorted(SOLVERS))}")
+    if problem.budget <= 0:
+        raise ValueError(f"memory budget must be positive, got {problem.budget}")
+    return SOLVERS[solver](problem, time_limit_s)
+
+
+def min_peak(problem: MemoryProblem, time_limit_s: float = 10.0) -> tuple[int, frozenset[int]]:
+    """Smallest peak over valid decisions (budget and cost ignored) and a decision reaching it.
+
+    Minimises the peak with CP-SAT, seeded with the greedy descent; falls back to the greedy
+    decision when CP-SAT finds nothing in time (the peak is then only an upper bound).
+    Raises ValueError when no decision is valid at all (a value neither saveable nor recomputable).
+    """
+    started = time.perf_counter()
+    greedy = greedy_min_peak(problem, time_limit_s / 4)
+    options = [greedy] if is_valid(problem, greedy) else []
+    found = cpsat_min_peak(problem, time_limit_s - (time.perf_counter() - started), hint=greedy)
+    if found is not None:
+        options.append(found[1])
+    if not options:
+        raise ValueError("no valid decision: some value can be neither saved nor recomputed")
+    best = min(options, key=lambda rec: (peak_bytes(problem, rec), recompute_cost(problem, rec)))
+    return peak_bytes(problem, best), best
+
+
+def _greedy(problem: MemoryProblem, time_limit_s: float) -> Solution:
+    return solve_greedy(problem, time_limit_s)
+
+
+def _cpsat(problem: MemoryProblem, time_limit_s: float) -> Solution:
+    return solve_cpsat(problem, time_limit_s)
+
+
+def _brute(problem: MemoryProblem, time_limit_s: float) -> Solution:
+    return solve_brute(problem, time_limit_s)
+
+
+SOLVERS: dict[str, Callable[[MemoryProblem, float], Solution]] = {
+    "greedy": _greedy,
+    "cpsat": _cpsat,
+    "brute": _brute,
+}
+
+# Imported last: the solver modules import `Solution` and `make_solution` from this package.
+from fxmem.solve.brute import solve_brute  # noqa: E402
+from fxmem.solve.cpsat import cpsat_min_peak, solve_cpsat  # noqa: E402
+from fxmem.solve.greedy import greedy_min_peak, solve_greedy  # noqa: E402
+
+__all__ = ["Solution", "SOLVERS", "solve", "min_peak", "make_solution", "solve_greedy",
+           "solve_cpsat", "solve_brute", "greedy_min_peak", "cpsat_min_peak"]

@@ -1,0 +1,182 @@
+"""Exact keep-or-recompute solver on OR-Tools CP-SAT (the only module importing ortools).
+
+Reads a `MemoryProblem`; writes nothing. Booleans r_i (recompute) and s_i (save); integers
+made_i (the step a recomputed value is made) and end_i (its last step alive), linked as in
+`fxmem.problem.lifetimes`; memory is a cumulative resource over optional intervals, with the
+decision-independent base bytes as fixed intervals. Determinism: fixed seed and interleaved
+workers, so a fixed `num_workers` gives the same R on every run unless the time limit cuts in.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+from ortools.sat.python import cp_model
+
+from fxmem.problem import NEVER, MemoryProblem, is_feasible, is_valid, lifetimes, peak_bytes, recompute_cost, saved_set
+from fxmem.solve import Solution, make_solution
+from fxmem.solve.greedy import solve_greedy
+
+_STATUS = {cp_model.OPTIMAL: "optimal", cp_model.FEASIBLE: "feasible", cp_model.INFEASIBLE: "infeasible"}
+
+
+def _base_runs(base: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """(first, last + 1, bytes) for each run of equal base memory."""
+    runs, start = [], 0
+    for t in range(1, len(base) + 1):
+        if t == len(base) or base[t] != base[start]:
+            runs.append((start, t, base[start]))
+            start = t
+    return runs
+
+
+class _Model:
+    """Decision variables, validity, lifetimes, and the cumulative memory constraint."""
+
+    def __init__(self, problem: MemoryProblem, capacity: int | None) -> None:
+        p, m = problem, cp_model.CpModel()
+        self.p, self.model = p, m
+        n, never = p.num_values, p.num_steps  # `never`: a step after the last one
+        self.r = [m.new_bool_var(f"r{i}") for i in range(n)]
+        self.s = [m.new_bool_var(f"s{i}") for i in range(n)]
+        self.made = [m.new_int_var(0, never, f"made{i}") for i in range(n)]
+        self.end = [m.new_int_var(0, never, f"end{i}") for i in range(n)]
+        made_if_recomputed = []
+        for i in range(n):
+            var = m.new_int_var(0, never, f"mr{i}")
+            m.add(var == self.made[i]).only_enforce_if(self.r[i])
+            m.add(var == never).only_enforce_if(~self.r[i])
+            made_if_recomputed.append(var)
+        users = p.consumers()
+        for i in range(n):
+            r, s = self.r[i], self.s[i]
+            if not p.can_recompute[i]:
+                m.add(r == 0)
+            if not p.can_save[i]:
+                m.add(s == 0)
+            if p.needed[i]:
+                m.add_exactly_one(r, s)
+            else:
+                m.add_at_most_one(r, s)
+            # Made just before the first read of it or of a recomputed consumer (the latest step
+            # allowed); alive until the last such read and the end of recomputed views of it.
+            firsts = [made_if_recomputed[w] for w in users[i]]
+            firsts += [p.need_first[i]] if p.needed[i] else [never]
+            m.add_min_equality(self.made[i], firsts)
+            if p.need_last[i] != NEVER:
+                m.add(self.end[i] >= p.need_last[i])
+            m.add(self.end[i] >= self.made[i]).only_enforce_if(r)
+            for j in sorted(set(p.inputs[i])):
+                m.add_bool_or([self.s[j], self.r[j]]).only_enforce_if(r)
+            for w in users[i]:
+                m.add(self.end[i] >= (self.end[w] if p.aliases[w] else self.made[w])).only_enforce_if(self.r[w])
+        self.capacity = m.new_int_var(0, max(p.base, default=0) + sum(p.size), "peak") if capacity is None else capacity
+        self._memory()
+
+    def _memory(self) -> None:
+        p, m = self.p, self.model
+        intervals, demands = [], []
+        for i in range(p.num_values):
+            if not p.size[i]:
+                continue
+            if p.can_save[i]:
+                m.add(self.end[i] >= p.saved_from[i]).only_enforce_if(self.s[i])
+                size = m.new_int_var(0, p.num_steps, f"kept{i}")
+                intervals.append(m.new_optional_interval_var(p.saved_from[i], size, self.end[i] + 1, self.s[i], f"S{i}"))
+                demands.append(p.size[i])
+            if p.can_recompute[i]:
+                size = m.new_int_var(0, p.num_steps, f"held{i}")
+                intervals.append(m.new_optional_interval_var(self.made[i], size, self.end[i] + 1, self.r[i], f"R{i}"))
+                demands.append(p.size[i])
+        for first, stop, nbytes in _base_runs(p.base):
+            if nbytes:
+                intervals.append(m.new_fixed_size_interval_var(first, stop - first, f"B{first}"))
+                demands.append(nbytes)
+        m.add_cumulative(intervals, demands, self.capacity)
+
+    def hint(self, rec: frozenset[int]) -> None:
+        saved, spans = saved_set(self.p, rec), lifetimes(self.p, rec)
+        for i in range(self.p.num_values):
+            self.model.add_hint(self.r[i], i in rec)
+            self.model.add_hint(self.s[i], i in saved)
+            if i in rec and i in spans:
+                self.model.add_hint(self.made[i], spans[i][0])
+            if i in spans:
+                self.model.add_hint(self.end[i], spans[i][1])
+
+    def run(self, time_limit_s: float, num_workers: int, deterministic: bool) -> tuple[int, cp_model.CpSolver]:
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = max(0.01, time_limit_s)
+        solver.parameters.num_workers = num_workers
+        solver.parameters.random_seed = 0
+        solver.parameters.interleave_search = deterministic
+        return solver.solve(self.model), solver
+
+    def decision(self, solver: cp_model.CpSolver) -> frozenset[int]:
+        return frozenset(i for i, r in enumerate(self.r) if solver.boolean_value(r))
+
+    def cost(self):
+        return sum(c * r for c, r in zip(self.p.cost, self.r) if c)
+
+
+def solve_cpsat(problem: MemoryProblem, time_limit_s: float = 10.0, num_workers: int = 2,
+                deterministic: bool = True) -> Solution:
+    """Least-cost decision with peak <= budget; the greedy decision when CP-SAT finds none better."""
+    started = time.perf_counter()
+    greedy = solve_greedy(problem, time_limit_s / 2)
+    if problem.base and max(problem.base) > problem.budget:
+        return make_solution(problem, greedy.recompute, "infeasible", 0, started, "cpsat")
+    model = _Model(problem, problem.budget)
+    model.model.minimize(model.cost())
+    if greedy.status != "infeasible":
+        model.hint(greedy.recompute)
+    code, solver = model.run(time_limit_s - (time.perf_counter() - started), num_workers, deterministic)
+    status = _STATUS.get(code)
+    if status is None or status == "infeasible":
+        return make_solution(problem, greedy.recompute, greedy.status if status is None else "infeasible",
+                             0, started, "cpsat")
+    rec = model.decision(solver)
+    bound = math.ceil(solver.best_objective_bound - 1e-6)
+    left = time_limit_s - (time.perf_counter() - started)
+    if status == "optimal" and left > 0.05:
+        rec = _lowest_peak(problem, rec, left, num_workers, deterministic)
+    if not is_feasible(problem, rec):
+        raise AssertionError(f"CP-SAT returned an infeasible decision: {sorted(rec)}")
+    if greedy.status != "infeasible" and greedy.objective < recompute_cost(problem, rec):
+        rec, status = greedy.recompute, "feasible"
+    return make_solution(problem, rec, status, bound, started, "cpsat")
+
+
+def _lowest_peak(problem: MemoryProblem, rec: frozenset[int], time_limit_s: float, num_workers: int,
+                 deterministic: bool) -> frozenset[int]:
+    """Among decisions as cheap as `rec`, one with the lowest peak, so the peak falls as the budget
+    does. Returns `rec` if nothing better is found in time."""
+    model = _Model(problem, None)
+    model.model.add(model.cost() <= recompute_cost(problem, rec))
+    model.model.add(model.capacity <= peak_bytes(problem, rec))
+    model.model.minimize(model.capacity)
+    model.hint(rec)
+    code, solver = model.run(time_limit_s, num_workers, deterministic)
+    if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return rec
+    better = model.decision(solver)
+    return better if is_valid(problem, better) and peak_bytes(problem, better) < peak_bytes(problem, rec) else rec
+
+
+def cpsat_min_peak(problem: MemoryProblem, time_limit_s: float = 10.0, num_workers: int = 2,
+                   hint: frozenset[int] | None = None,
+                   deterministic: bool = True) -> tuple[int, frozenset[int]] | None:
+    """Smallest peak over valid decisions (budget and cost ignored) and a decision reaching it;
+    None when CP-SAT finds no valid decision within the time limit."""
+    model = _Model(problem, None)
+    model.model.minimize(model.capacity)
+    if hint is not None and is_valid(problem, hint):
+        model.hint(hint)
+        model.model.add_hint(model.capacity, peak_bytes(problem, hint))
+    code, solver = model.run(time_limit_s, num_workers, deterministic)
+    if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    rec = model.decision(solver)
+    if not is_valid(problem, rec):
+        raise AssertionError(f"CP-SAT returned an invalid decision: {sorted(rec)}")
+    return peak_bytes(problem, rec), rec

@@ -1,0 +1,58 @@
+"""Shared test helpers: run a training step on two modules and compare them with eager."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from functorch.compile import aot_module
+from torch._dynamo.backends.debugging import boxed_nop
+from torch._functorch.partitioners import default_partition
+
+from fxmem.measure import training_step
+
+GIB = 2**30
+
+
+def step(module, inputs, kwargs=None, seed=1234):
+    torch.manual_seed(seed)
+    for p in module.parameters():
+        p.grad = None
+    return training_step(module, inputs, kwargs)
+
+
+def assert_trains_like(reference, optimized, inputs, kwargs=None, *, atol=0.0, rtol=0.0):
+    """Same outputs, gradients and buffers after one step with the same RNG seed."""
+    ref_out = step(reference, inputs, kwargs)
+    out = step(optimized, inputs, kwargs)
+    ref_leaves = [t for t in torch.utils._pytree.tree_leaves(ref_out) if isinstance(t, torch.Tensor)]
+    leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    assert len(ref_leaves) == len(leaves)
+    for a, b in zip(ref_leaves, leaves):
+        torch.testing.assert_close(b, a, atol=atol, rtol=rtol)
+    ref_params = dict(reference.named_parameters())
+    for name, p in optimized.named_parameters():
+        assert p.grad is not None, f"{name} got no gradient"
+        torch.testing.assert_close(p.grad, ref_params[name].grad, atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+    ref_buffers = dict(reference.named_buffers())
+    for name, b in optimized.named_buffers():
+        torch.testing.assert_close(b, ref_buffers[name], atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.fixture
+def twin():
+    """twin(model) -> an identical deep copy, for eager reference runs."""
+    return copy.deepcopy
+
+
+def joint_of(model, x):
+    """The joint graph AOTAutograd traces for model(x), and its number of forward outputs."""
+    seen = {}
+
+    def keep(joint, inputs, *, num_fwd_outputs, **kw):
+        seen["joint"], seen["n"] = joint, num_fwd_outputs
+        return default_partition(joint, inputs, num_fwd_outputs=num_fwd_outputs, **kw)
+
+    aot_module(model, fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=keep)(x)
+    return seen["joint"], seen["n"]

@@ -1,0 +1,74 @@
+"""capture(): symbolic_trace where it works, export where it does not, clear errors otherwise."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fxmem
+from fxmem import models
+from fxmem.capture import capture
+
+
+def test_symbolic_trace_path_has_fake_values_everywhere():
+    model = models.from_name("mlp-tiny")
+    gm = capture(model, models.example_inputs("mlp-tiny"))
+    assert gm.meta["fxmem"]["capture"] == "symbolic_trace"
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "call_function", "call_module", "call_method", "get_attr"):
+            assert "val" in node.meta, node.name
+    assert all(p is q for p, q in zip(gm.parameters(), model.parameters()))
+
+
+class KwargsAndDictOut(torch.nn.Module):
+    """symbolic_trace cannot follow **kwargs; export can. Output keeps its dict structure."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, **extra):
+        scale = extra.get("scale", 1.0)
+        return {"y": self.lin(x) * scale, "n": x.shape[0]}
+
+
+def test_export_fallback_keeps_output_structure():
+    model = KwargsAndDictOut()
+    x = torch.randn(4, 8)
+    gm = capture(model, (x,), {"scale": 2.0})
+    assert gm.meta["fxmem"]["capture"] == "export"
+    optimized = fxmem.optimize(model, budget_gb=1.0)
+    out = optimized(x, scale=2.0)
+    assert set(out) == {"y", "n"} and out["n"] == 4
+    torch.testing.assert_close(out["y"], model(x, scale=2.0)["y"])
+
+
+class DataDependent(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if h.sum() > 0:
+            return h.relu().sum()
+        return h.sum()
+
+
+def test_data_dependent_control_flow_is_named():
+    with pytest.raises(fxmem.TraceError) as info:
+        fxmem.plan(DataDependent(), (torch.randn(4, 8),), budget_gb=1.0)
+    message = str(info.value)
+    assert "data-dependent control flow" in message and "torch.where" in message
+
+
+def test_capture_restores_buffers():
+    model = models.from_name("resnet-tiny")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    capture(model, models.example_inputs("resnet-tiny"))
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[key], msg=key)
+
+
+def test_not_a_module():
+    with pytest.raises(TypeError, match="nn.Module"):
+        capture(lambda x: x, (torch.randn(2),))

@@ -1,0 +1,128 @@
+"""fxmem.plan / fxmem.optimize on the zoo: budgets met as measured by MemTracker, training exact."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fxmem
+from fxmem import models
+from fxmem.measure import measure_peak_bytes
+from tests.conftest import GIB, assert_trains_like, step
+
+TINY = ["mlp-tiny", "gpt-tiny", "resnet-tiny", "unet-tiny"]
+# Batch sizes that put activations well above the planner's safety margin (64 KiB).
+BATCH = {"mlp-tiny": 1024}
+
+
+def _setup(name):
+    torch.manual_seed(0)
+    return models.from_name(name), models.example_inputs(name, BATCH.get(name))
+
+
+def _min_budget(model, inputs) -> int:
+    with pytest.raises(fxmem.InfeasibleBudgetError) as info:
+        fxmem.plan(model, inputs, budget_gb=1e-6, time_limit_s=5)
+    return info.value.min_budget_bytes
+
+
+@pytest.fixture(scope="module", params=TINY)
+def zoo(request):
+    model, inputs = _setup(request.param)
+    eager = fxmem.plan(model, inputs)
+    lowest = _min_budget(model, inputs)
+    assert lowest < eager.baseline_peak_bytes, "recompute must be able to lower the peak"
+    return request.param, model, inputs, eager, lowest
+
+
+def test_eager_plan_predicts_measured_peak(zoo):
+    name, model, inputs, eager, _ = zoo
+    measured = measure_peak_bytes(fxmem.optimize(model, plan=eager), inputs)
+    assert abs(eager.predicted_peak_bytes - measured) <= 0.05 * measured
+    assert eager.recompute == () or all(r for r in eager.recompute)
+
+
+@pytest.mark.parametrize("fraction", [0.7, 0.3])
+def test_budget_met_and_training_exact(zoo, fraction):
+    name, model, inputs, eager, lowest = zoo
+    budget = int(lowest + fraction * (eager.baseline_peak_bytes - lowest))
+    plan = fxmem.plan(model, inputs, budget_gb=budget / GIB, time_limit_s=5)
+    assert plan.predicted_peak_bytes <= budget
+    assert plan.recompute, "a budget below the eager peak must recompute something"
+    reference = copy.deepcopy(model)
+    optimized = fxmem.optimize(model, plan=plan)
+    assert_trains_like(reference, optimized, inputs)
+    measured = measure_peak_bytes(optimized, inputs)
+    assert measured <= budget, f"{name}: measured {measured} > budget {budget}"
+    assert abs(plan.predicted_peak_bytes - measured) <= 0.05 * measured
+
+
+def test_lower_budget_never_raises_measured_peak(zoo):
+    name, model, inputs, eager, lowest = zoo
+    peaks = []
+    for fraction in (1.0, 0.6, 0.3, 0.0):
+        budget = int(lowest + fraction * (eager.baseline_peak_bytes - lowest))
+        plan = fxmem.plan(model, inputs, budget_gb=budget / GIB, time_limit_s=5)
+        peaks.append(measure_peak_bytes(fxmem.optimize(model, plan=plan), inputs))
+    assert peaks == sorted(peaks, reverse=True), peaks
+
+
+def test_optimize_plans_lazily_and_per_signature():
+    model, inputs = _setup("gpt-tiny")
+    eager = fxmem.plan(model, inputs)
+    budget = 0.8 * eager.baseline_peak_bytes / GIB
+    optimized = fxmem.optimize(model, budget_gb=budget, time_limit_s=5)
+    assert optimized.plans == []
+    step(optimized, inputs)
+    step(optimized, inputs)
+    assert len(optimized.plans) == 1 and optimized.plans[0].predicted_peak_bytes <= budget * GIB
+    smaller = models.example_inputs("gpt-tiny", batch_size=4)
+    step(optimized, smaller)
+    assert len(optimized.plans) == 2
+
+
+def test_optimized_module_shares_the_models_state():
+    model, inputs = _setup("resnet-tiny")
+    optimized = fxmem.optimize(model, budget_gb=1.0)
+    assert list(optimized.state_dict()) == list(model.state_dict())
+    assert all(a is b for a, b in zip(optimized.parameters(), model.parameters()))
+    reference = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+    for _ in range(2):
+        for module, optimizer in ((optimized, opt), (reference, ref_opt)):
+            step(module, inputs)
+            optimizer.step()
+    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {m}")
+    optimized.eval()
+    assert not model.training
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(inputs[0]), reference.eval()(inputs[0]))
+
+
+def test_library_model_from_transformers():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64,
+                                     use_cache=False, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 256, (4, 32))
+    kwargs = {"labels": ids, "use_cache": False}
+    eager = fxmem.plan(model, (ids,), example_kwargs=kwargs)
+    lowest = _min_budget_kwargs(model, ids, kwargs)
+    for fraction in (0.7, 0.3):
+        budget = int(lowest + fraction * (eager.baseline_peak_bytes - lowest))
+        plan = fxmem.plan(model, (ids,), budget_gb=budget / GIB, example_kwargs=kwargs, time_limit_s=5)
+        reference = copy.deepcopy(model)
+        optimized = fxmem.optimize(model, plan=plan)
+        assert_trains_like(reference, optimized, (ids,), kwargs)
+        measured = measure_peak_bytes(optimized, (ids,), kwargs)
+        assert measured <= budget
+        assert abs(plan.predicted_peak_bytes - measured) <= 0.05 * measured
+
+
+def _min_budget_kwargs(model, ids, kwargs) -> int:
+    with pytest.raises(fxmem.InfeasibleBudgetError) as info:
+        fxmem.plan(model, (ids,), budget_gb=1e-6, example_kwargs=kwargs, time_limit_s=5)
+    return info.value.min_budget_bytes

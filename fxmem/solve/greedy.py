@@ -2,96 +2,199 @@
 
 Reads a `MemoryProblem`; writes nothing. Starts from eager autograd's decision and, while the
 peak is over budget, recomputes the value alive at the peak step that lowers it most per unit of
-cost; then drops recomputations the budget no longer needs. Seeds CP-SAT and `min_peak`.
+cost; then drops recomputations the budget no longer needs. Moves are priced incrementally: a
+change re-derives lifetimes only upstream of the values it touches (`fxmem.problem.lifetimes`
+rules) and updates a segment tree over the memory profile. Seeds CP-SAT and `min_peak`.
 """
 from __future__ import annotations
 
+import heapq
 import time
 
-from fxmem.problem import MemoryProblem, eager_decision, is_valid, lifetimes, memory_profile, recompute_cost
+from fxmem.problem import NEVER, MemoryProblem, eager_decision, is_valid, lifetimes, memory_profile, recompute_cost
 from fxmem.solve import Solution, make_solution
+from fxmem.solve.profile_tree import ProfileTree
 
-MOVES_PER_STEP = 12  # candidate moves priced per iteration (largest values alive at the peak)
+MOVES_PER_ROUND = 16  # candidate moves priced per round (values alive at the peak, best bytes/cost first)
 
 
-def _with(problem: MemoryProblem, rec: frozenset[int], value: int) -> frozenset[int] | None:
-    """rec plus `value`, plus the unsaveable inputs its recomputation needs (recursively)."""
-    out, stack = set(rec), [value]
+class _State:
+    """A decision with its lifetimes and memory profile, changed in place and undone on demand."""
+
+    def __init__(self, problem: MemoryProblem, rec: frozenset[int]):
+        self.p, self.users = problem, problem.consumers()
+        self.rec = set(rec)
+        self.rec_users = [sum(w in self.rec for w in self.users[v]) for v in range(problem.num_values)]
+        self.span = dict(lifetimes(problem, rec))
+        self.made = {v: self.span[v][0] for v in self.rec if v in self.span}
+        self.end = {v: last for v, (_, last) in self.span.items()}
+        self.tree = ProfileTree(memory_profile(problem, rec))
+
+    def status(self, v: int) -> str:
+        if v in self.rec:
+            return "rec"
+        return "saved" if self.p.needed[v] or self.rec_users[v] else "free"
+
+    def _derive(self, v: int) -> tuple[int | None, int | None, tuple[int, int] | None]:
+        """(made, end, span) of v from its users, as `lifetimes` computes them."""
+        p, status = self.p, self.status(v)
+        if status == "free":
+            return None, None, None
+        first, last = p.need_first[v], p.need_last[v]
+        for w in self.users[v]:
+            when = self.made.get(w)
+            if when is None:
+                continue
+            if first == NEVER or when < first:
+                first = when
+            reach = self.end[w] if p.aliases[w] else when
+            last = max(last, reach)
+        if status == "saved":
+            return None, last, (p.saved_from[v], last)
+        if first == NEVER:
+            return None, None, None
+        return first, last, (first, max(first, last))
+
+    def _set_span(self, v: int, new: tuple[int, int] | None, log: list) -> None:
+        old = self.span.get(v)
+        if old == new:
+            return
+        size = self.p.size[v]
+        if old is not None:
+            self.tree.add(old[0], old[1], -size)
+        if new is not None:
+            self.tree.add(new[0], new[1], size)
+            self.span[v] = new
+        else:
+            self.span.pop(v, None)
+        log.append(("span", v, old, new))
+
+    def toggle(self, values: set[int], recompute: bool) -> list:
+        """Add `values` to (or remove them from) the recompute set; returns an undo log."""
+        log: list = []
+        changed = values - self.rec if recompute else values & self.rec
+        for v in changed:
+            (self.rec.add if recompute else self.rec.discard)(v)
+            for u in set(self.p.inputs[v]):
+                self.rec_users[u] += 1 if recompute else -1
+            log.append(("rec", v, recompute))
+        heap = [-v for v in {x for v in changed for x in (v, *self.p.inputs[v])}]
+        heapq.heapify(heap)
+        seen: set[int] = set()
+        while heap:
+            v = -heapq.heappop(heap)
+            if v in seen:
+                continue
+            seen.add(v)
+            made, end, span = self._derive(v)
+            if (self.made.get(v), self.end.get(v)) != (made, end):
+                log.append(("times", v, self.made.get(v), self.end.get(v)))
+                _put(self.made, v, made)
+                _put(self.end, v, end)
+                for u in set(self.p.inputs[v]):
+                    heapq.heappush(heap, -u)
+            self._set_span(v, span, log)
+        return log
+
+    def undo(self, log: list) -> None:
+        for entry in reversed(log):
+            kind, v = entry[0], entry[1]
+            if kind == "rec":
+                (self.rec.discard if entry[2] else self.rec.add)(v)
+                for u in set(self.p.inputs[v]):
+                    self.rec_users[u] += -1 if entry[2] else 1
+            elif kind == "times":
+                _put(self.made, v, entry[2])
+                _put(self.end, v, entry[3])
+            else:
+                old, new = entry[2], entry[3]
+                size = self.p.size[v]
+                if new is not None:
+                    self.tree.add(new[0], new[1], -size)
+                if old is not None:
+                    self.tree.add(old[0], old[1], size)
+                    self.span[v] = old
+                else:
+                    self.span.pop(v, None)
+
+
+def _put(d: dict, key: int, value: int | None) -> None:
+    if value is None:
+        d.pop(key, None)
+    else:
+        d[key] = value
+
+
+def _closure(problem: MemoryProblem, rec: set[int], value: int) -> set[int] | None:
+    """`value` plus the unsaveable inputs its recomputation needs (recursively), not yet in rec."""
+    out, stack = set(), [value]
     while stack:
         v = stack.pop()
-        if v in out and v != value:
+        if v in out or (v in rec and v != value):
             continue
         if not problem.can_recompute[v]:
             return None
         out.add(v)
-        stack.extend(j for j in problem.inputs[v] if not problem.can_save[j] and j not in out)
-    return frozenset(out)
+        stack.extend(j for j in problem.inputs[v] if not problem.can_save[j])
+    return out - rec
 
 
-def _peak(profile: list[int]) -> tuple[int, int]:
-    step = max(range(len(profile)), key=profile.__getitem__)
-    return profile[step], step
-
-
-def _moves(problem: MemoryProblem, rec: frozenset[int], step: int) -> list[int]:
-    """Values alive at `step` whose recomputation could free them there, largest per cost first."""
-    alive = [v for v, (first, last) in lifetimes(problem, rec).items()
-             if first <= step <= last and problem.size[v] and v not in rec and problem.can_recompute[v]]
-    alive.sort(key=lambda v: (-problem.size[v] / (problem.cost[v] + 1), v))
-    return alive[:MOVES_PER_STEP]
-
-
-def _descend(problem: MemoryProblem, rec: frozenset[int], target: int, deadline: float,
-             weigh_cost: bool) -> frozenset[int]:
+def _descend(problem: MemoryProblem, state: _State, target: int, deadline: float, weigh_cost: bool) -> None:
     """Add recomputations until the peak is <= target or no move lowers it. Each round prices the
     moves at the peak step, then applies them best first while each still lowers the peak."""
-    peak, step = _peak(memory_profile(problem, rec))
-    while peak > target and time.perf_counter() < deadline:
+    while state.tree.top() > target and time.perf_counter() < deadline:
+        peak, step = state.tree.top(), state.tree.argmax()
+        alive = [v for v, (first, last) in state.span.items() if first <= step <= last and problem.size[v]
+                 and v not in state.rec and problem.can_recompute[v]]
+        alive.sort(key=lambda v: (-problem.size[v] / (problem.cost[v] + 1), v))
         ranked = []
-        for v in _moves(problem, rec, step):
-            trial = _with(problem, rec, v)
-            if trial is None:
+        for v in alive[:MOVES_PER_ROUND]:
+            move = _closure(problem, state.rec, v)
+            if not move:
                 continue
-            new_peak = max(memory_profile(problem, trial))
+            log = state.toggle(move, True)
+            new_peak = state.tree.top()
+            state.undo(log)
             if new_peak < peak:
-                added = recompute_cost(problem, trial - rec) if weigh_cost else 0
-                ranked.append(((peak - new_peak) / (added + 1), -new_peak, -v))
-        if not ranked:
-            break
+                added = recompute_cost(problem, move) if weigh_cost else 0
+                ranked.append(((peak - new_peak) / (added + 1), -new_peak, -v, move))
         progressed = False
-        for _, _, neg_v in sorted(ranked, reverse=True):
-            trial = _with(problem, rec, -neg_v)
-            new_peak = max(memory_profile(problem, trial)) if trial is not None else peak
-            if new_peak < peak:
-                rec, peak, progressed = trial, new_peak, True
-            if peak <= target or time.perf_counter() > deadline:
+        for *_, move in sorted(ranked, key=lambda r: r[:3], reverse=True):
+            before = state.tree.top()
+            log = state.toggle(move - state.rec, True)
+            if state.tree.top() < before:
+                progressed = True
+            else:
+                state.undo(log)
+            if state.tree.top() <= target:
                 break
         if not progressed:
             break
-        peak, step = _peak(memory_profile(problem, rec))
-    return rec
 
 
-def _prune(problem: MemoryProblem, rec: frozenset[int], budget: int, deadline: float) -> frozenset[int]:
+def _prune(problem: MemoryProblem, state: _State, budget: int, deadline: float) -> None:
     """Drop recomputations, costliest first, while the decision stays valid and within budget."""
-    for v in sorted(rec, key=lambda i: (-problem.cost[i], i)):
+    for v in sorted(state.rec, key=lambda i: (-problem.cost[i], i)):
         if time.perf_counter() > deadline:
             break
-        if problem.cost[v] == 0 or v not in rec:
+        if problem.cost[v] == 0 or v not in state.rec:
             continue
-        trial = rec - {v}
-        if is_valid(problem, trial) and max(memory_profile(problem, trial)) <= budget:
-            rec = trial
-    return rec
+        log = state.toggle({v}, False)
+        if state.tree.top() > budget or not problem.can_save[v] and state.status(v) == "saved" \
+                or any(not problem.can_save[u] and state.status(u) == "saved" for u in problem.inputs[v]):
+            state.undo(log)
 
 
 def solve_greedy(problem: MemoryProblem, time_limit_s: float = 10.0) -> Solution:
     started = time.perf_counter()
     deadline = started + time_limit_s
-    rec = _descend(problem, eager_decision(problem), problem.budget, deadline, weigh_cost=True)
-    feasible = is_valid(problem, rec) and max(memory_profile(problem, rec), default=0) <= problem.budget
+    state = _State(problem, eager_decision(problem))
+    _descend(problem, state, problem.budget, deadline, weigh_cost=True)
+    rec = frozenset(state.rec)
+    feasible = is_valid(problem, rec) and state.tree.top() <= problem.budget
     if feasible:
-        rec = _prune(problem, rec, problem.budget, deadline)
+        _prune(problem, state, problem.budget, deadline)
+        rec = frozenset(state.rec)
     cost = recompute_cost(problem, rec)
     status = "infeasible" if not feasible else "optimal" if cost == 0 else "feasible"
     return make_solution(problem, rec, status, 0, started, "greedy")
@@ -99,5 +202,6 @@ def solve_greedy(problem: MemoryProblem, time_limit_s: float = 10.0) -> Solution
 
 def greedy_min_peak(problem: MemoryProblem, time_limit_s: float = 10.0) -> frozenset[int]:
     """A decision with a low peak, cost ignored (an upper bound on the least peak)."""
-    deadline = time.perf_counter() + time_limit_s
-    return _descend(problem, eager_decision(problem), -1, deadline, weigh_cost=False)
+    state = _State(problem, eager_decision(problem))
+    _descend(problem, state, -1, time.perf_counter() + time_limit_s, weigh_cost=False)
+    return frozenset(state.rec)

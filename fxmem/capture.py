@@ -77,7 +77,11 @@ def _symbolic_trace(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.
     concrete = {k: v for k, v in bound.arguments.items() if v is None or isinstance(v, (bool, int, float, str))}
     if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in bound.signature.parameters.values()):
         raise ValueError("forward takes *args/**kwargs")
+    versions = [t._version for t in _state_tensors(model)]
     gm = torch.fx.symbolic_trace(model, concrete_args=concrete or None)
+    if versions != [t._version for t in _state_tensors(model)]:
+        # e.g. `self.steps.add_(1)`: fx ran it once on the real buffer and left it out of the graph
+        raise ValueError("forward updates a parameter or buffer in place outside the traced graph")
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     names = [n.target.lstrip("*") for n in placeholders]
     if set(names) - set(bound.arguments):
@@ -87,6 +91,10 @@ def _symbolic_trace(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.
     _propagate_fake(gm, flat)
     _check_same_outputs(model, gm, args, kwargs)
     return gm
+
+
+def _state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    return list(model.parameters()) + list(model.buffers())
 
 
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 import time
 from typing import Any, Sequence
@@ -72,6 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _parser().error("give a MODEL and --budget-gb (see the examples below --help)")
     import fxmem
 
+    logging.basicConfig(level=logging.INFO, format="fxmem: %(message)s", stream=sys.stderr)
     started = time.perf_counter()
     model, inputs = load_model(args.model, args.batch_size)
     print(f"planning {args.model} {fxmem.runtime.signature_of(model, inputs, {})} under {args.budget_gb} GiB ...",

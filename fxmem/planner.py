@@ -8,6 +8,7 @@ checks its fingerprint first. Writes `meta["fxmem"]` on joint nodes; keeps the P
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -15,7 +16,7 @@ import torch
 import torch.fx
 
 from fxmem.cost import DEVICE_PRESETS, CostTable, DeviceSpec, estimate
-from fxmem.errors import InfeasibleBudgetError
+from fxmem.errors import InfeasibleBudgetError, fmt_bytes
 from fxmem.memory import MemoryTimeline, simulate_step, storages_of
 from fxmem.plan import Plan, graph_fingerprint
 from fxmem.problem import eager_decision, saved_set
@@ -25,6 +26,7 @@ from fxmem.passes.recompute import partition, tag_decisions
 from fxmem.passes.runner import run_passes
 
 MAX_TIGHTENINGS = 8
+log = logging.getLogger("fxmem")
 # Plans aim a little below the budget: the simulator sizes storages from fake tensors, and a few
 # kernels allocate more than that (CPU mse_loss returns a scalar whose storage is the size of its
 # input), plus autograd's seed gradient for the loss. 0.5% or 64 KiB, whichever is larger.
@@ -91,6 +93,8 @@ class Planner:
         split = split_joint(joint, self.num_fwd_outputs)
         costs = estimate(joint, request.device, backward=set(split.backward))
         lowered = build_problem(joint, split, costs, budget)
+        log.info("joint graph: %d forward and %d backward ops, %d values backward may need",
+                 len(split.forward), len(split.backward), lowered.problem.num_values)
         eager = self._candidate(joint, lowered, eager_decision(lowered.problem))
         start = time.perf_counter()
         chosen, solution, min_budget = eager, None, None
@@ -99,7 +103,8 @@ class Planner:
         solve_time = time.perf_counter() - start
         saved = [n.name for n in chosen.bw.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
         forward_names = {n.name for n in split.forward}
-        recomputed = [n.name for n in chosen.bw.graph.nodes if n.op == "call_function" and n.name in forward_names]
+        recomputed = [n.name for n in chosen.bw.graph.nodes
+                      if n.op == "call_function" and n.name in forward_names and not costs[n.name].is_view]
         fw, bw = self._partition(joint, saved, recomputed)
         plan = Plan(
             budget_bytes=int(budget), baseline_peak_bytes=eager.timeline.peak,
@@ -129,6 +134,8 @@ class Planner:
             if solution.status == "infeasible":
                 break
             candidate = self._candidate(joint, lowered, solution.recompute)
+            log.info("%s: %s in %.1f s, simulated peak %s for budget %s", solution.solver, solution.status,
+                     solution.solve_time_s, fmt_bytes(candidate.timeline.peak), fmt_bytes(budget))
             if candidate.timeline.peak <= budget:
                 best = (candidate, solution)
                 break
@@ -136,6 +143,7 @@ class Planner:
         if best is not None:
             return best[0], best[1], None
         started = time.perf_counter()
+        log.info("searching for the least feasible budget")
         _, decision = min_peak(problem, request.time_limit_s)
         lowest = self._candidate(joint, lowered, decision)
         if lowest.timeline.peak <= budget:
@@ -172,6 +180,6 @@ def _node_rows(lowered: Lowered, costs: CostTable, saved: set[str], recomputed: 
     for i, node in enumerate(lowered.nodes):
         cost = costs[node.name]
         decision = "save" if node.name in saved else "recompute" if node.name in recomputed else "free"
-        rows.append({"name": node.name, "op": cost.op, "module": cost.module, "bytes": lowered.problem.size[i],
+        rows.append({"name": node.name, "op": cost.op, "module": cost.module, "bytes": lowered.problem.size[i] if lowered.problem.can_save[i] else 0,
                      "flops": cost.flops, "seconds": cost.seconds, "decision": decision})
     return tuple(rows)

@@ -15,7 +15,8 @@ from fxmem.problem import NEVER, MemoryProblem, eager_decision, is_valid, lifeti
 from fxmem.solve import Solution, make_solution
 from fxmem.solve.profile_tree import ProfileTree
 
-MOVES_PER_ROUND = 16  # candidate moves priced per round (values alive at the peak, best bytes/cost first)
+MOVES_PER_ROUND = 32  # candidate moves priced per round (values alive at the peak, best bytes/cost first)
+CHAIN_DEPTH = 4  # a move may pull up to this many producers along with the value it recomputes
 
 
 class _State:
@@ -34,6 +35,15 @@ class _State:
         if v in self.rec:
             return "rec"
         return "saved" if self.p.needed[v] or self.rec_users[v] else "free"
+
+    def first_read(self, v: int) -> int:
+        """The step a recomputation of v would be made at: its first read or a recomputed user's."""
+        first = self.p.need_first[v]
+        for w in self.users[v]:
+            when = self.made.get(w)
+            if when is not None and (first == NEVER or when < first):
+                first = when
+        return self.p.num_steps if first == NEVER else first
 
     def _derive(self, v: int) -> tuple[int | None, int | None, tuple[int, int] | None]:
         """(made, end, span) of v from its users, as `lifetimes` computes them."""
@@ -139,6 +149,16 @@ def _closure(problem: MemoryProblem, rec: set[int], value: int) -> set[int] | No
     return out - rec
 
 
+def _extend(problem: MemoryProblem, rec: set[int], move: set[int]) -> set[int] | None:
+    """`move` plus the producers it would newly force to be kept (those that can be recomputed)."""
+    grown = set(move)
+    for v in move:
+        for u in problem.inputs[v]:
+            if u not in rec and u not in move and problem.size[u] and problem.can_recompute[u]:
+                grown |= _closure(problem, rec, u) or set()
+    return grown if grown != move else None
+
+
 def _descend(problem: MemoryProblem, state: _State, target: int, deadline: float, weigh_cost: bool) -> None:
     """Add recomputations until the peak is <= target or no move lowers it. Each round prices the
     moves at the peak step, then applies them best first while each still lowers the peak."""
@@ -146,18 +166,30 @@ def _descend(problem: MemoryProblem, state: _State, target: int, deadline: float
         peak, step = state.tree.top(), state.tree.argmax()
         alive = [v for v, (first, last) in state.span.items() if first <= step <= last and problem.size[v]
                  and v not in state.rec and problem.can_recompute[v]]
-        alive.sort(key=lambda v: (-problem.size[v] / (problem.cost[v] + 1), v))
-        ranked = []
+        # Values whose recomputation would come after this step free their bytes here: try them first.
+        alive.sort(key=lambda v: (state.first_read(v) <= step, -problem.size[v] / (problem.cost[v] + 1), v))
+        ranked, level_moves = [], []
         for v in alive[:MOVES_PER_ROUND]:
             move = _closure(problem, state.rec, v)
-            if not move:
-                continue
-            log = state.toggle(move, True)
-            new_peak = state.tree.top()
-            state.undo(log)
-            if new_peak < peak:
+            for _ in range(CHAIN_DEPTH):
+                if not move:
+                    break
+                log = state.toggle(move, True)
+                new_peak, new_level = state.tree.top(), state.tree.at(step)
+                state.undo(log)
                 added = recompute_cost(problem, move) if weigh_cost else 0
-                ranked.append(((peak - new_peak) / (added + 1), -new_peak, -v, move))
+                if new_peak < peak:
+                    ranked.append(((peak - new_peak) / (added + 1), -new_peak, -v, move))
+                    break
+                if new_peak == peak and new_level < peak:
+                    level_moves.append(((peak - new_level) / (added + 1), 0, -v, move))
+                    break
+                # Recomputing v only moved its bytes to an input that must now be kept: take the input too.
+                move = _extend(problem, state.rec, move)
+        if not ranked and level_moves:
+            # A plateau: several steps share the peak. Lower this one; the others come next rounds.
+            state.toggle(max(level_moves, key=lambda r: r[:3])[3], True)
+            continue
         progressed = False
         for *_, move in sorted(ranked, key=lambda r: r[:3], reverse=True):
             before = state.tree.top()
@@ -190,6 +222,10 @@ def solve_greedy(problem: MemoryProblem, time_limit_s: float = 10.0) -> Solution
     deadline = started + time_limit_s
     state = _State(problem, eager_decision(problem))
     _descend(problem, state, problem.budget, deadline, weigh_cost=True)
+    if state.tree.top() > problem.budget:  # cheapest-first got stuck: descend on bytes alone
+        retry = _State(problem, eager_decision(problem))
+        _descend(problem, retry, problem.budget, deadline, weigh_cost=False)
+        state = min(state, retry, key=lambda s: s.tree.top())
     rec = frozenset(state.rec)
     feasible = is_valid(problem, rec) and state.tree.top() <= problem.budget
     if feasible:

@@ -48,6 +48,15 @@ class ProfileTree:
         self._pull(lo)
         self._pull(hi - 1)
 
+    def at(self, i: int) -> int:
+        """Bytes at step i."""
+        p = i + self.n
+        value = self.t[p]
+        while p > 1:
+            p >>= 1
+            value += self.d[p]
+        return value
+
     def top(self) -> int:
         return self.t[1]
 

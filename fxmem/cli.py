@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 EXAMPLES = """\
 examples:
-  fxmem-plan gpt-small --budget-gb 1.5             plan nanoGPT-sized GPT under 1.5 GiB
+  fxmem-plan gpt-small --budget-gb 2               plan nanoGPT-sized GPT under 2 GiB
   fxmem-plan gpt2 --budget-gb 6 --batch-size 8 --out gpt2.plan.json
   fxmem-plan resnet18 --budget-gb 3 --target h100   price recompute for an H100
   fxmem-plan mypkg.models:make --budget-gb 10     your factory returning (model, example_inputs)

@@ -1,0 +1,257 @@
+"""`torch.compile` backend: AOTAutograd with fxmem's planner as the partitioner, under a budget.
+
+    model = torch.compile(model, backend="fxmem", options={"budget_gb": 2.0})
+
+Dynamo hands each captured graph to `fxmem_backend`; AOTAutograd traces its joint forward/backward
+graph and `fxmem.planner.Planner` (the same planner `fxmem.plan`/`fxmem.optimize` use) picks what to
+save and what to recompute so the simulated step fits the budget. The forward and backward graphs
+then run through boxed_nop ("aot_eager") or Inductor ("inductor").
+
+Budget across graph breaks: one `torch.compile(...)` call has one ledger. When graph k of a step is
+planned, the budget left to it is `budget_gb` minus what each graph planned earlier (from other
+frames) keeps alive for the whole step: its parameters, buffers and inputs, its gradients and its
+saved-for-backward activations (bytes of the rows whose decision is "save" in its Plan). A
+recompilation of a frame replaces that frame's entry. Reads nothing from disk; writes the plans to
+`plan_out` (one file per graph: `<stem>.<k>.json`) when asked.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from fxmem.cost import DeviceSpec
+from fxmem.errors import GIB, InfeasibleBudgetError
+from fxmem.plan import Plan
+from fxmem.planner import Planner, PlanRequest
+
+log = logging.getLogger("fxmem")
+
+OPTIONS = ("budget_gb", "inner", "time_limit_s", "plan_out", "verbose", "device", "solver")
+INNERS = ("inductor", "aot_eager")
+
+
+@dataclass
+class GraphRecord:
+    """One planned graph of a torch.compile call."""
+
+    index: int
+    frame: Any
+    budget_bytes: int
+    plan: Plan | None = None
+    path: str | None = None
+
+    @property
+    def kept_bytes(self) -> int:
+        """What this graph keeps alive for the whole step: static inputs, gradients, saved activations."""
+        if self.plan is None:
+            return 0
+        saved = sum(int(row.get("bytes", 0)) for row in self.plan.nodes if row.get("decision") == "save")
+        return sum(self.plan.breakdown.values()) + saved
+
+
+@dataclass
+class Ledger:
+    """The graphs planned so far by one torch.compile call (one `options` dict)."""
+
+    budget_bytes: int
+    records: list[GraphRecord] = field(default_factory=list)
+
+    def reserved_by_others(self, frame: Any) -> int:
+        latest: dict[Any, GraphRecord] = {}
+        for r in self.records:
+            latest[r.frame] = r  # a recompilation of a frame replaces its entry
+        return sum(r.kept_bytes for f, r in latest.items() if f != frame or f is None)
+
+    @property
+    def plans(self) -> list[Plan]:
+        return [r.plan for r in self.records if r.plan is not None]
+
+
+_LEDGERS: dict[int, tuple[dict, Ledger]] = {}
+_LOCK = threading.Lock()
+
+
+def ledger_for(options: dict) -> Ledger | None:
+    """The ledger of the torch.compile call made with this `options` dict (None before its first graph)."""
+    entry = _LEDGERS.get(id(options))
+    return entry[1] if entry is not None and entry[0] is options else None
+
+
+def plans_for(options: dict) -> list[Plan]:
+    """The plans made so far for the torch.compile call made with this `options` dict, in order."""
+    ledger = ledger_for(options)
+    return ledger.plans if ledger is not None else []
+
+
+def reset() -> None:
+    """Forget every ledger (torch._dynamo.reset() also calls this through the backend's `reset`)."""
+    with _LOCK:
+        _LEDGERS.clear()
+
+
+def _validate(options: dict | None) -> dict:
+    if options is None:
+        options = {}
+    if not isinstance(options, dict):
+        raise TypeError(f"fxmem backend: options must be a dict, got {type(options).__name__}")
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ValueError(f"fxmem backend: unknown options {unknown}; known options are {list(OPTIONS)}")
+    budget = options.get("budget_gb")
+    if budget is None:
+        raise ValueError("fxmem backend needs a memory budget: torch.compile(model, backend='fxmem', "
+                         "options={'budget_gb': <GiB per training step>})")
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget != budget or budget <= 0:
+        raise ValueError(f"fxmem backend: budget_gb must be a positive number of GiB (2**30 bytes), got {budget!r}")
+    inner = options.get("inner")
+    if inner is not None and inner not in INNERS:
+        raise ValueError(f"fxmem backend: inner must be one of {INNERS}, got {inner!r}")
+    return options
+
+
+def has_cxx_compiler() -> bool:
+    return any(shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if c)
+
+
+def _frame_id() -> Any:
+    cid = torch._guards.CompileContext.current_compile_id()
+    return getattr(cid, "frame_id", None) if cid is not None else None
+
+
+def _signature(example_inputs: Sequence[Any]) -> str:
+    parts = []
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            dtype = str(x.dtype).replace("torch.", "")
+            parts.append(f"{dtype}[{','.join(map(str, x.shape))}]" + ("+grad" if x.requires_grad else ""))
+        else:
+            parts.append(repr(x))
+    return f"({', '.join(parts)})"
+
+
+def plan_path(plan_out: str | os.PathLike, index: int) -> str:
+    """Where graph `index`'s plan is written: `plan.json` -> `plan.0.json`, `plan.1.json`, ..."""
+    stem, ext = os.path.splitext(os.fspath(plan_out))
+    return f"{stem}.{index}{ext or '.json'}"
+
+
+class _RecordingPlanner(Planner):
+    """The fxmem Planner, recording its plan in the ledger, re-raising infeasibility against the whole budget."""
+
+    def __init__(self, request: PlanRequest, ledger: Ledger, record: GraphRecord, reserved: int, options: dict):
+        super().__init__(request)
+        self.ledger, self.record, self.reserved, self.options = ledger, record, reserved, options
+
+    def __call__(self, joint, joint_inputs, **kwargs):
+        try:
+            if self.request.budget_bytes <= 0:
+                # earlier graphs already take the whole budget: find this graph's own minimum
+                self.request.budget_bytes = 1
+            fw, bw = super().__call__(joint, joint_inputs, **kwargs)
+        except InfeasibleBudgetError as exc:
+            breakdown = dict(exc.breakdown)
+            if self.reserved:
+                breakdown[f"kept by {len(self.ledger.records)} earlier graph(s)"] = self.reserved
+            raise InfeasibleBudgetError(self.ledger.budget_bytes, exc.min_budget_bytes + self.reserved,
+                                        breakdown) from None
+        plan = self.plan
+        self.record.plan = plan
+        self.ledger.records.append(self.record)
+        if self.options.get("plan_out"):
+            self.record.path = plan_path(self.options["plan_out"], self.record.index)
+            plan.save(self.record.path)
+        if self.options.get("verbose"):
+            print(f"fxmem: graph {self.record.index} ({plan.signature}), budget "
+                  f"{self.record.budget_bytes / GIB:.4f} GiB of {self.ledger.budget_bytes / GIB:.4f} GiB")
+            print(plan.table())
+        return fw, bw
+
+
+class _InductorPartitioner:
+    """Wraps the planner as Inductor's `custom_partitioner_fn` (Inductor's joint-graph passes run first)."""
+
+    def __init__(self, planner: Planner):
+        self.planner = planner
+
+    def __call__(self, gm, joint_inputs, **kwargs):
+        kwargs.pop("compiler", None)
+        return self.planner(gm, joint_inputs, **kwargs)
+
+    def uuid(self) -> Any:
+        return None  # never cache: the plan depends on the budget and on the other graphs
+
+
+def _make_custom_partitioner(planner: Planner):
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    class FxmemPartitioner(_InductorPartitioner, CustomPartitionerFn):
+        pass
+
+    return FxmemPartitioner(planner)
+
+
+def fxmem_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None
+                  ) -> Callable[..., Any]:
+    """TorchDynamo backend: plan each captured graph's training step under `options["budget_gb"]`.
+
+    options: budget_gb (required, GiB per training step, shared by all graphs of one step),
+    inner ("inductor" when a C++ compiler is found, else "aot_eager"), time_limit_s (solver, default 10),
+    plan_out (write each graph's plan to `<stem>.<k>.json`), verbose (print each plan's table),
+    device (DeviceSpec preset name used for pricing recompute, default "cpu"), solver (default "cpsat").
+    """
+    options = _validate(options)
+    budget = int(options["budget_gb"] * GIB)
+    inner = options.get("inner") or ("inductor" if has_cxx_compiler() else "aot_eager")
+    with _LOCK:
+        entry = _LEDGERS.get(id(options))
+        if entry is None or entry[0] is not options:
+            entry = (options, Ledger(budget))
+            _LEDGERS[id(options)] = entry
+        ledger = entry[1]
+    frame = _frame_id()
+    reserved = ledger.reserved_by_others(frame)
+    index = len(ledger.records)
+    device = options.get("device", "cpu")
+    request = PlanRequest(budget_bytes=budget - reserved,
+                          device=DeviceSpec.from_name(device) if isinstance(device, str) else device,
+                          solver=options.get("solver", "cpsat"), time_limit_s=float(options.get("time_limit_s", 10.0)),
+                          model=f"dynamo graph {index}", signature=_signature(example_inputs))
+    record = GraphRecord(index=index, frame=frame, budget_bytes=budget - reserved)
+    planner = _RecordingPlanner(request, ledger, record, reserved, options)
+    if inner == "inductor":
+        try:
+            return _compile_inductor(gm, example_inputs, planner)
+        except ImportError as exc:  # pragma: no cover - inductor missing from this build
+            warnings.warn(f"fxmem backend: Inductor unavailable ({exc}); running the planned graphs with "
+                          "aot_eager instead (the budget still applies)", stacklevel=2)
+    return _compile_aot_eager(gm, example_inputs, planner)
+
+
+def _compile_aot_eager(gm, example_inputs, planner: Planner):
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=planner,
+                            keep_inference_input_mutations=True)(gm, example_inputs)
+
+
+def _compile_inductor(gm, example_inputs, planner: Planner):
+    """Inductor's own compile_fx pipeline (decompositions, joint-graph passes, compile_fx_inner for the
+    forward and backward graphs) with fxmem's planner as its partitioner."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx
+
+    with torch._functorch.config.patch(enable_autograd_cache=False), \
+            inductor_config.patch(custom_partitioner_fn=_make_custom_partitioner(planner), fx_graph_cache=False):
+        return compile_fx(gm, example_inputs)
+
+
+fxmem_backend.reset = reset  # type: ignore[attr-defined]  # called by torch._dynamo.reset()

@@ -38,7 +38,7 @@ def plan_rows(plan: Any, by: str = "module") -> list[list[Any]]:
         kept = sum(r["bytes"] for r in group if r["decision"] == "save")
         recomputed = sum(r["bytes"] for r in group if r["decision"] == "recompute")
         flops = sum(r["flops"] for r in group if r["decision"] == "recompute")
-        ops = sorted({r["op"] for r in group if r["bytes"] > 0}) or sorted({r["op"] for r in group})
+        ops = sorted({r["op"] for r in group if r["op"] != "getitem"}) or ["getitem"]
         label = ", ".join(ops[:4]) + (f" +{len(ops) - 4}" if len(ops) > 4 else "")
         rows.append([key, label, round(kept / MIB, 2), round(recomputed / MIB, 2),
                      f"{flops / 1e6:,.1f}", _decision(group)])

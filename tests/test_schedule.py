@@ -1,0 +1,44 @@
+"""Joint graph -> MemoryProblem: what backward reads, what cannot be saved or recomputed."""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch._functorch.partitioners import default_partition
+
+from fxmem.cost import estimate, is_view
+from fxmem.memory import storages_of
+from fxmem.problem import eager_decision, saved_set
+from fxmem.schedule import build_problem, split_joint
+from tests.conftest import joint_of
+from tests.test_memory import Net
+
+
+def test_eager_decision_saves_what_autograd_saves():
+    joint, num_fwd_outputs = joint_of(Net(), torch.randn(64, 128))
+    split = split_joint(joint, num_fwd_outputs)
+    lowered = build_problem(joint, split, estimate(joint, backward=set(split.backward)), 10**12)
+    problem = lowered.problem
+    ours = {k for i in saved_set(problem, eager_decision(problem)) for k in storages_of(lowered.nodes[i])}
+    _, bw = default_partition(joint, [], num_fwd_outputs=num_fwd_outputs)
+    forward = {n.name: n for n in split.forward}
+    params = {k for p in split.primals for k in storages_of(p)}
+    theirs = {k for n in bw.graph.find_nodes(op="placeholder") if n.name in forward
+              for k in storages_of(forward[n.name])} - params
+    assert ours == theirs  # the same storages kept (they keep a view where we keep its base)
+
+
+def test_rules_for_random_views_and_written_back_inputs():
+    joint, num_fwd_outputs = joint_of(Net(), torch.randn(64, 128))
+    split = split_joint(joint, num_fwd_outputs)
+    assert len(split.mutated) == 3  # BatchNorm running mean, running var, num_batches_tracked
+    lowered = build_problem(joint, split, estimate(joint, backward=set(split.backward)), 10**12)
+    problem = lowered.problem
+    for i, node in enumerate(lowered.nodes):
+        if "dropout" in node.name and node.target is not operator.getitem:
+            assert not problem.can_recompute[i], node.name
+        if "batch_norm" in node.name and node.target is not operator.getitem:
+            assert not problem.can_recompute[i], "reads running stats written back after forward"
+        if is_view(node):
+            assert not problem.can_save[i] and problem.size[i] == 0
+    assert max(problem.base) < 10**12 and len(problem.base) == len(split.forward) + len(split.backward)

@@ -46,12 +46,21 @@ def measure_peak_bytes(module: torch.nn.Module, inputs: Sequence[Any], kwargs: d
         step(module, inputs, kwargs)
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - start + _resident_bytes(module, inputs)
-    tracker = MemTracker()
+    tracker = _StepTracker()
     tracker.track_external(module, *[x for x in inputs if isinstance(x, torch.Tensor)])
     with tracker:
         step(module, inputs, kwargs)
     peak = tracker.get_tracker_snapshot("peak")
     return max(snap["Total"] for snap in peak.values())
+
+
+class _StepTracker(MemTracker):
+    """MemTracker that Dynamo does not step aside for: Dynamo runs frames eagerly under any other
+    TorchDispatchMode, so a plain tracker would measure a compiled module's eager step instead."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
 
 
 def _resident_bytes(module: torch.nn.Module, inputs: Sequence[Any]) -> int:

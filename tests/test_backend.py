@@ -1,0 +1,182 @@
+"""torch.compile(backend="fxmem"): budgets met (measured), training exact, graph breaks share the budget."""
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxmem
+from fxmem import models
+from fxmem.backend import fxmem_backend, has_cxx_compiler, plan_path, plans_for
+from fxmem.measure import measure_peak_bytes, training_step
+from tests.conftest import GIB, assert_trains_like
+
+BATCH = {"mlp-tiny": 1024}
+
+
+def _setup(name):
+    torch.manual_seed(0)
+    return models.from_name(name), models.example_inputs(name, BATCH.get(name))
+
+
+def _range(model, inputs):
+    eager = fxmem.plan(model, inputs)
+    with pytest.raises(fxmem.InfeasibleBudgetError) as info:
+        fxmem.plan(model, inputs, budget_gb=1e-6, time_limit_s=5)
+    return eager.baseline_peak_bytes, info.value.min_budget_bytes
+
+
+def _compiled(model, options):
+    """Compile in place (nn.Module.compile) so parameter names match the eager twin."""
+    model.compile(backend="fxmem", options=options)
+    return model
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "resnet-tiny"])
+def test_aot_eager_budget_met_and_training_exact(name):
+    model, inputs = _setup(name)
+    eager_peak, lowest = _range(model, inputs)
+    budget = int(eager_peak - 0.7 * (eager_peak - lowest))
+    reference = copy.deepcopy(model)
+    options = {"budget_gb": budget / GIB, "inner": "aot_eager", "time_limit_s": 5}
+    compiled = _compiled(model, options)
+    assert_trains_like(reference, compiled, inputs)
+    (plan,) = plans_for(options)
+    assert plan.recompute and plan.predicted_peak_bytes <= budget
+    measured = measure_peak_bytes(compiled, inputs)
+    assert measured <= budget, f"{name}: measured {measured} > budget {budget}"
+    assert measured < eager_peak
+
+
+@pytest.mark.skipif(not has_cxx_compiler(), reason="Inductor on CPU needs a C++ compiler")
+def test_inductor_trains_like_eager(tmp_path):
+    torch.manual_seed(0)  # no dropout: Inductor draws random numbers its own way
+    model, inputs = models.from_name("mlp-tiny", dropout=0.0), models.example_inputs("mlp-tiny", 1024)
+    eager_peak, lowest = _range(model, inputs)
+    # Inductor decomposes the joint graph further (dropout into rand + compare), so its graph has its own
+    # eager peak and minimum: probe it with an ample budget, then plan at that graph's eager peak.
+    probe = {"budget_gb": 1.0, "inner": "inductor"}
+    training_step(_compiled(copy.deepcopy(model), probe), inputs)
+    budget = plans_for(probe)[0].baseline_peak_bytes
+    torch._dynamo.reset()
+    reference = copy.deepcopy(model)
+    options = {"budget_gb": budget / GIB, "inner": "inductor", "time_limit_s": 5,
+               "plan_out": str(tmp_path / "plan.json")}
+    compiled = _compiled(model, options)
+    assert_trains_like(reference, compiled, inputs, atol=1e-4, rtol=1e-4)
+    (plan,) = plans_for(options)
+    assert plan.predicted_peak_bytes <= budget
+    assert fxmem.Plan.load(plan_path(tmp_path / "plan.json", 0)) == plan
+
+
+class TwoHalves(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU())
+        self.b = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 10))
+
+    def forward(self, x, targets):
+        h = self.a(x)
+        torch._dynamo.graph_break()
+        return nn.functional.cross_entropy(self.b(h), targets)
+
+
+def test_graph_break_shares_the_budget():
+    torch.manual_seed(0)
+    model = TwoHalves()
+    inputs = (torch.randn(512, 32), torch.randint(10, (512,)))
+    reference = copy.deepcopy(model)
+    opts = {"budget_gb": 1.0, "inner": "aot_eager"}
+    _compiled(copy.deepcopy(model), opts)(*inputs).backward()
+    unconstrained = plans_for(opts)
+    assert len(unconstrained) == 2, "the graph break must give two graphs"
+    g0, g1 = unconstrained
+    kept0 = sum(g0.breakdown.values()) + sum(r["bytes"] for r in g0.nodes if r["decision"] == "save")
+    budget = kept0 + g1.baseline_peak_bytes + 256 * 1024  # graph 1: its eager peak (+ safety margin) after graph 0
+    options = {"budget_gb": budget / GIB, "inner": "aot_eager", "time_limit_s": 5}
+    compiled = _compiled(model, options)
+    assert_trains_like(reference, compiled, inputs)
+    first, second = plans_for(options)
+    kept_first = sum(first.breakdown.values()) + sum(r["bytes"] for r in first.nodes if r["decision"] == "save")
+    assert second.budget_bytes == budget - kept_first
+    assert first.predicted_peak_bytes <= budget and second.predicted_peak_bytes <= budget - kept_first
+    measured = measure_peak_bytes(compiled, inputs)
+    assert measured <= budget, f"measured {measured} > budget {budget}"
+
+
+def test_transformers_gpt2_equal_gradients():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                     use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(128, (4, 32))
+    kwargs = {"input_ids": ids, "labels": ids}
+    reference = copy.deepcopy(model)
+    options = {"budget_gb": 1.0, "inner": "aot_eager", "time_limit_s": 5}
+    assert_trains_like(reference, _compiled(model, options), (), kwargs)
+    assert plans_for(options)
+
+
+def test_budget_sweep_saves_less_as_budget_falls():
+    model, inputs = _setup("mlp-tiny")
+    eager_peak, lowest = _range(model, inputs)
+    saved = []
+    for fraction in (1.0, 0.5, 0.1):
+        torch._dynamo.reset()
+        options = {"budget_gb": (lowest + fraction * (eager_peak - lowest)) / GIB, "inner": "aot_eager",
+                   "time_limit_s": 5}
+        training_step(_compiled(copy.deepcopy(model), options), inputs)
+        (plan,) = plans_for(options)
+        saved.append(sum(r["bytes"] for r in plan.nodes if r["decision"] == "save"))
+    assert saved == sorted(saved, reverse=True) and saved[0] > saved[-1], saved
+
+
+@pytest.mark.parametrize("options", [{}, {"budget_gb": -1.0}, {"budget_gb": 0}, {"budget_gb": "2"}])
+def test_bad_budget_is_a_value_error(options):
+    gm = torch.fx.symbolic_trace(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="budget_gb"):
+        fxmem_backend(gm, [torch.randn(1, 2)], options=options)
+
+
+def test_bad_budget_through_torch_compile():
+    model, inputs = _setup("mlp-tiny")
+    compiled = torch.compile(model, backend="fxmem", options={"budget_gb": -1.0, "inner": "aot_eager"})
+    with pytest.raises(Exception, match="budget_gb must be a positive number"):
+        compiled(*inputs)
+
+
+def test_infeasible_budget_reaches_the_user():
+    model, inputs = _setup("mlp-tiny")
+    compiled = torch.compile(model, backend="fxmem", options={"budget_gb": 1e-6, "inner": "aot_eager",
+                                                              "time_limit_s": 5})
+    with pytest.raises(Exception) as info:
+        training_step(compiled, inputs)
+    chain, exc = [], info.value
+    while exc is not None:
+        chain.append(exc)
+        exc = exc.__cause__ or getattr(exc, "inner_exception", None)
+    errors = [e for e in chain if isinstance(e, fxmem.InfeasibleBudgetError)]
+    assert errors and errors[0].min_budget_bytes > 1e-6 * GIB
+    assert "is below the minimum" in str(info.value) and "raise budget_gb to at least" in str(info.value)
+
+
+def test_entry_point_registered_without_importing_fxmem():
+    code = ("import sys, torch; print('fxmem' in torch._dynamo.list_backends()); "
+            "m = torch.nn.Linear(4, 4); "
+            "c = torch.compile(m, backend='fxmem', options={'budget_gb': 1.0, 'inner': 'aot_eager'}); "
+            "c(torch.randn(2, 4)).sum().backward(); print(m.weight.grad is not None)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "True"]

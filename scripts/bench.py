@@ -8,6 +8,7 @@ repeats, medians). Prints a markdown table; --out writes it (or JSON when the na
 
 examples:
   python scripts/bench.py --quick
+  python scripts/bench.py --compile --models gpt-tiny resnet-tiny
   python scripts/bench.py --models gpt-small resnet18 --fractions 0.7 0.3 0 --out BENCH.md
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from tabulate import tabulate
 
 import fxmem
 from fxmem import models
+from fxmem.backend import plans_for
 from fxmem.measure import measure_peak_bytes, training_step
 
 QUICK = ["mlp-tiny", "gpt-tiny", "resnet-tiny", "unet-tiny"]
@@ -85,6 +87,56 @@ def bench_model(name: str, fractions: list[float], batch: int | None, repeats: i
     return rows
 
 
+def bench_compile(name: str, fractions: list[float], batch: int | None, repeats: int, time_limit_s: float,
+                  device: str) -> list[dict]:
+    """fxmem's backend next to PyTorch's activation_memory_budget (knapsack), both on aot_eager, at
+    equal measured peak: for each fxmem budget, the torch fraction whose measured peak is the
+    largest one not above fxmem's. FLOPs: fxmem's planned extra FLOPs (the eager path measures
+    exactly these); FlopCounterMode cannot count inside compiled frames."""
+    torch.manual_seed(0)
+    model = models.from_name(name).to(device)
+    inputs = tuple(x.to(device) for x in models.example_inputs(name, batch))
+    eager_plan = fxmem.plan(model, inputs)
+    lowest = _min_budget(model, inputs, time_limit_s)
+    torch_runs = []
+    for fraction in (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0):
+        torch._dynamo.reset()
+        with torch._functorch.config.patch(activation_memory_budget=fraction):
+            twin = copy.deepcopy(model)
+            twin.compile(backend="aot_eager")
+            peak = measure_peak_bytes(twin, inputs)
+            seconds = _step_seconds({"eager": model, "torch": twin}, inputs, repeats)
+        torch_runs.append((fraction, peak, seconds["torch"] / seconds["eager"]))
+    rows = []
+    for fraction in fractions:
+        budget = int(lowest + fraction * (eager_plan.baseline_peak_bytes - lowest))
+        torch._dynamo.reset()
+        twin = copy.deepcopy(model)
+        options = {"budget_gb": budget / 2**30, "inner": "aot_eager", "time_limit_s": time_limit_s}
+        twin.compile(backend="fxmem", options=options)
+        peak = measure_peak_bytes(twin, inputs)
+        plans = plans_for(options)
+        extra = 100 * sum(p.extra_flops for p in plans) / max(sum(p.total_flops for p in plans), 1)
+        ratio = (lambda s: s["fxmem"] / s["eager"])(_step_seconds({"eager": model, "fxmem": twin}, inputs, repeats))
+        match = max((r for r in torch_runs if r[1] <= peak), key=lambda r: r[1], default=None)
+        rows.append({"model": name, "budget_mib": budget / MIB, "fxmem_peak_mib": peak / MIB,
+                     "fxmem_extra_flops_pct": extra, "fxmem_time": ratio,
+                     "torch_fraction": match and match[0], "torch_peak_mib": match and match[1] / MIB,
+                     "torch_time": match and match[2],
+                     "torch_lowest_peak_mib": min(r[1] for r in torch_runs) / MIB})
+    return rows
+
+
+def _compile_table(rows: list[dict]) -> str:
+    fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
+    return tabulate([[r["model"], f"{r['budget_mib']:.2f}", f"{r['fxmem_peak_mib']:.2f}",
+                      f"{r['fxmem_extra_flops_pct']:.1f}%", f"{r['fxmem_time']:.2f}", fmt(r["torch_fraction"], ".1f"),
+                      fmt(r["torch_peak_mib"], ".2f"), fmt(r["torch_time"], ".2f"),
+                      f"{r['torch_lowest_peak_mib']:.2f}"] for r in rows],
+                    headers=["model", "budget MiB", "fxmem-compile MiB", "planned extra FLOPs", "time ×eager",
+                             "torch-budget frac", "torch MiB", "time ×eager", "torch lowest MiB"], tablefmt="github")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -96,6 +148,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per method (default 5)")
     parser.add_argument("--time-limit", type=float, default=10.0, help="solver time limit, seconds")
     parser.add_argument("--quick", action="store_true", help="tiny presets only (CI-sized, a few minutes)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile rows: the fxmem backend next to PyTorch's activation_memory_budget")
     parser.add_argument("--out", help="write the table here (.md) or the rows (.json)")
     args = parser.parse_args(argv)
     names = args.models or QUICK
@@ -107,7 +161,14 @@ def main(argv=None) -> int:
     for k, name in enumerate(names):
         print(f"benchmarking {name} on {device} ...", file=sys.stderr, flush=True)
         batch = (sizes[k] if len(sizes) > 1 else sizes[0]) if sizes else QUICK_BATCH.get(name)
-        rows += bench_model(name, args.fractions, batch, args.repeats, args.time_limit, device)
+        run = bench_compile if args.compile else bench_model
+        rows += run(name, args.fractions, batch, args.repeats, args.time_limit, device)
+    if args.compile:
+        print(_compile_table(rows))
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(json.dumps(rows, indent=1) if args.out.endswith(".json") else _compile_table(rows) + "\n")
+        return 0
     table = tabulate([[r["model"], r["fraction"], f"{r['eager_peak_mib']:.2f}", f"{r['budget_mib']:.2f}",
                        f"{r['measured_mib']:.2f}", "yes" if r["within_budget"] else "NO",
                        f"{r['prediction_error_pct']:+.2f}%", f"{r['activation_cut_pct']:.0f}%",

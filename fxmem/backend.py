@@ -30,6 +30,7 @@ from fxmem.cost import DeviceSpec
 from fxmem.errors import GIB, InfeasibleBudgetError
 from fxmem.plan import Plan
 from fxmem.planner import Planner, PlanRequest
+from fxmem.runtime import budget_bytes, describe_input
 
 log = logging.getLogger("fxmem")
 
@@ -108,8 +109,7 @@ def _validate(options: dict | None) -> dict:
     if budget is None:
         raise ValueError("fxmem backend needs a memory budget: torch.compile(model, backend='fxmem', "
                          "options={'budget_gb': <GiB per training step>})")
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget != budget or budget <= 0:
-        raise ValueError(f"fxmem backend: budget_gb must be a positive number of GiB (2**30 bytes), got {budget!r}")
+    budget_bytes(budget)
     inner = options.get("inner")
     if inner is not None and inner not in INNERS:
         raise ValueError(f"fxmem backend: inner must be one of {INNERS}, got {inner!r}")
@@ -123,17 +123,6 @@ def has_cxx_compiler() -> bool:
 def _frame_id() -> Any:
     cid = torch._guards.CompileContext.current_compile_id()
     return getattr(cid, "frame_id", None) if cid is not None else None
-
-
-def _signature(example_inputs: Sequence[Any]) -> str:
-    parts = []
-    for x in example_inputs:
-        if isinstance(x, torch.Tensor):
-            dtype = str(x.dtype).replace("torch.", "")
-            parts.append(f"{dtype}[{','.join(map(str, x.shape))}]" + ("+grad" if x.requires_grad else ""))
-        else:
-            parts.append(repr(x))
-    return f"({', '.join(parts)})"
 
 
 def plan_path(plan_out: str | os.PathLike, index: int) -> str:
@@ -222,7 +211,7 @@ def fxmem_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], optio
     request = PlanRequest(budget_bytes=budget - reserved,
                           device=DeviceSpec.from_name(device) if isinstance(device, str) else device,
                           solver=options.get("solver", "cpsat"), time_limit_s=float(options.get("time_limit_s", 10.0)),
-                          model=f"dynamo graph {index}", signature=_signature(example_inputs))
+                          model=f"dynamo graph {index}", signature=f"({', '.join(map(describe_input, example_inputs))})")
     record = GraphRecord(index=index, frame=frame, budget_bytes=budget - reserved)
     planner = _RecordingPlanner(request, ledger, record, reserved, options)
     if inner == "inductor":

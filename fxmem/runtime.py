@@ -74,21 +74,26 @@ def _state(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return list(model.named_parameters()) + list(model.named_buffers())
 
 
+def describe_input(x: Any) -> str:
+    """`float32[8,32]+grad` for a tensor, repr otherwise."""
+    if isinstance(x, torch.Tensor):
+        dtype = str(x.dtype).replace("torch.", "")
+        return f"{dtype}[{','.join(map(str, x.shape))}]" + ("+grad" if x.requires_grad else "")
+    return repr(x)
+
+
 def signature_of(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
     """Readable input signature: shapes and dtypes of tensor inputs, other values, mode."""
-    def describe(x: Any) -> str:
-        if isinstance(x, torch.Tensor):
-            dtype = str(x.dtype).replace("torch.", "")
-            return f"{dtype}[{','.join(map(str, x.shape))}]" + ("+grad" if x.requires_grad else "")
-        return repr(x)
-    parts = [describe(a) for a in args] + [f"{k}={describe(v)}" for k, v in sorted(kwargs.items())]
+    parts = [describe_input(a) for a in args] + [f"{k}={describe_input(v)}" for k, v in sorted(kwargs.items())]
     return f"({', '.join(parts)}){'' if model.training else ' eval'}"
 
 
-def _budget_bytes(budget_gb: float | None) -> int | None:
+def budget_bytes(budget_gb: float | None) -> int | None:
+    """GiB -> bytes, refusing anything but a positive number."""
     if budget_gb is None:
         return None
-    if not isinstance(budget_gb, (int, float)) or budget_gb != budget_gb or budget_gb <= 0:
+    if isinstance(budget_gb, bool) or not isinstance(budget_gb, (int, float)) or budget_gb != budget_gb \
+            or budget_gb <= 0:
         raise ValueError(f"budget_gb must be a positive number of GiB (2**30 bytes), got {budget_gb!r}")
     return int(budget_gb * GIB)
 
@@ -96,7 +101,7 @@ def _budget_bytes(budget_gb: float | None) -> int | None:
 def _request(model, args, kwargs, budget_gb, plan, device, solver, time_limit_s) -> PlanRequest:
     if isinstance(device, str):
         device = DeviceSpec.from_name(device)
-    return PlanRequest(budget_bytes=_budget_bytes(budget_gb), plan=plan, device=device or DEVICE_PRESETS["cpu"],
+    return PlanRequest(budget_bytes=budget_bytes(budget_gb), plan=plan, device=device or DEVICE_PRESETS["cpu"],
                        solver=solver, time_limit_s=time_limit_s, model=type(model).__qualname__,
                        signature=signature_of(model, args, kwargs))
 
@@ -187,7 +192,7 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
         raise ValueError("pass exactly one of budget_gb= (plan at the first call) or plan= (a Plan made earlier)")
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"plan must be an fxmem.Plan (see fxmem.Plan.load), got {type(plan).__name__}")
-    _budget_bytes(budget_gb)
+    budget_bytes(budget_gb)
 
     def make_request(args: tuple, kwargs: dict) -> PlanRequest:
         request = _request(model, args, kwargs, budget_gb, plan, device, solver, time_limit_s)

@@ -6,6 +6,7 @@ epilogue. Compiled steps are cached per input signature (shapes, dtypes, mode). 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Callable, Sequence
 
@@ -115,24 +116,18 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
     request = _request(model, args, kwargs, budget_gb, None, device, solver, time_limit_s)
     if request.budget_bytes is None:
         request.budget_bytes = 2**62
-    planner = Planner(request)
-    step = CompiledStep(model, capture(model, args, kwargs), planner)
     if not any(p.requires_grad for _, p in _state(model)):
         raise ValueError("no parameter requires grad: there is no training step to plan")
+    planner = Planner(request)
+    step = CompiledStep(model, capture(model, args, kwargs), planner)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fake = lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t  # noqa: E731
         state = {k: fake(v) for k, v in _state(model)}
         step(state, pytree.tree_map(fake, args), pytree.tree_map(fake, kwargs))
     assert planner.plan is not None
-    if budget_gb is None:
-        return _unbudgeted(planner.plan)
+    if budget_gb is None:  # report the eager step's own peak as its budget
+        return dataclasses.replace(planner.plan, budget_bytes=planner.plan.baseline_peak_bytes)
     return planner.plan
-
-
-def _unbudgeted(p: Plan) -> Plan:
-    import dataclasses
-
-    return dataclasses.replace(p, budget_bytes=p.baseline_peak_bytes)
 
 
 class OptimizedModule(torch.nn.Module):

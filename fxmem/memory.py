@@ -77,24 +77,29 @@ class Walker:
              counted_users: Any = None) -> None:
         """Run `nodes` in order; a storage dies after the last (counted) use of every node referring to it."""
         position = {n: i for i, n in enumerate(nodes)}
+        storages = [storages_of(node) for node in nodes]
         death: dict[Hashable, int] = {}
         for i, node in enumerate(nodes):
             users = [u for u in node.users if u in position and (counted_users is None or counted_users(u))]
             last = max((position[u] for u in users), default=i)
-            for key in storages_of(node):
+            for key in storages[i]:
                 death[key] = max(death.get(key, -1), last)
         dying: dict[int, list[Hashable]] = {}
         for key, when in death.items():
             if key not in keep:
                 dying.setdefault(when, []).append(key)
         for i, node in enumerate(nodes):
+            if node.op in ("call_function", "placeholder"):
+                self.allocate(storages[i])
             if node.op == "call_function":
-                self.allocate(storages_of(node))
                 self.record(node.name, phase)
-            elif node.op == "placeholder":
-                self.allocate(storages_of(node))
             for key in dying.get(i, ()):
                 self.live.pop(key, None)
+
+    def retain(self, keys: set[Hashable]) -> None:
+        """Free every live storage not in `keys` (what a graph's caller does not hold on to)."""
+        for key in [k for k in self.live if k not in keys]:
+            del self.live[key]
 
     def timeline(self) -> MemoryTimeline:
         return MemoryTimeline(tuple(self.names), tuple(self.phases), tuple(self.levels), self.static_bytes)
@@ -130,9 +135,7 @@ def simulate_step(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, num_user_o
     held_by_user = _keys(fw_outputs[:num_user_outputs])
     returned = _keys(fw_outputs)
     walker.walk(list(fw.graph.nodes), "forward", keep=returned)
-    for key in list(walker.live):
-        if key not in returned:
-            walker.live.pop(key)
+    walker.retain(returned)
     grads = _keys(_outputs(bw))
     walker.walk(list(bw.graph.nodes), "backward", keep=held_by_user | grads)
     return walker.timeline()

@@ -91,9 +91,7 @@ def build_problem(joint: torch.fx.GraphModule, split: JointSplit, costs: CostTab
                 counted_users=lambda u: u in forward_set or u is output_node)
     fw_death = _storage_death(split.forward, step_of, lambda u: u in forward_set)
     forward_keys = {k for n in split.forward for k in storages_of(n)}
-    for key in list(walker.live):
-        if key not in held:
-            walker.live.pop(key)
+    walker.retain(held)
     grads = {k for n in split.grads for k in storages_of(n)}
     walker.exclude = forward_keys - held
     walker.walk(list(split.tangents) + list(split.backward) + [output_node], "backward",

@@ -28,6 +28,13 @@ presets: dict[str, MLPConfig] = {
 batch_sizes: dict[str, int] = {"mlp-tiny": 16, "mlp-small": 128}
 
 
+class HiddenLayer(nn.Sequential):
+    """Linear -> GELU -> Dropout: the repeated block (what per-block checkpointing wraps)."""
+
+    def __init__(self, c_in: int, c_out: int, bias: bool, dropout: float):
+        super().__init__(nn.Linear(c_in, c_out, bias=bias), nn.GELU(), nn.Dropout(dropout))
+
+
 class MLP(nn.Module):
     def __init__(self, config: MLPConfig):
         super().__init__()
@@ -35,7 +42,7 @@ class MLP(nn.Module):
         layers = []
         c = config.in_features
         for width in config.hidden:
-            layers += [nn.Linear(c, width, bias=config.bias), nn.GELU(), nn.Dropout(config.dropout)]
+            layers.append(HiddenLayer(c, width, config.bias, config.dropout))
             c = width
         self.layers = nn.Sequential(*layers)
         self.head = nn.Linear(c, config.num_classes, bias=config.bias)

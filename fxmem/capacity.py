@@ -52,19 +52,22 @@ def overhead(plan: Plan) -> float:
 
 
 def batch_search(factory: Factory, budget_gb: float, max_overhead: float = 0.1, *, min_batch: int = 1,
-                 max_batch: int = 1 << 16, **plan_kwargs: Any) -> Capacity:
+                 max_batch: int = 1 << 16, multiple_of: int = 1, **plan_kwargs: Any) -> Capacity:
     """Double the batch from `min_batch` until a plan no longer fits (or costs more than
-    `max_overhead`), then bisect between the last that fit and the first that did not.
-    Assumes a larger batch never needs less memory. `plan_kwargs` go to `fxmem.plan`."""
-    if min_batch < 1 or max_batch < min_batch:
-        raise ValueError(f"need 1 <= min_batch <= max_batch, got {min_batch} and {max_batch}")
+    `max_overhead`), then bisect between the last that fit and the first that did not, over
+    multiples of `multiple_of`. Assumes a larger batch never needs less memory. `plan_kwargs`
+    go to `fxmem.plan`."""
+    if multiple_of < 1 or min_batch < 1 or max_batch < max(min_batch, multiple_of):
+        raise ValueError(f"need 1 <= min_batch <= max_batch and 1 <= multiple_of <= max_batch, got min_batch "
+                         f"{min_batch}, max_batch {max_batch}, multiple_of {multiple_of}")
     if max_overhead < 0:
         raise ValueError(f"max_overhead is a fraction >= 0 (0.1 = 10% slower), got {max_overhead}")
     from fxmem.runtime import plan as make_plan
 
     trials: dict[int, tuple[Trial, Plan | None]] = {}
 
-    def fits(batch: int) -> bool:
+    def fits(units: int) -> bool:
+        batch = units * multiple_of
         model, inputs = factory(batch)
         try:
             plan = make_plan(model, inputs, budget_gb, **plan_kwargs)
@@ -79,20 +82,22 @@ def batch_search(factory: Factory, budget_gb: float, max_overhead: float = 0.1, 
         trials[batch] = (trial, plan if trial.fits else None)
         return trial.fits
 
-    good, bad, batch = 0, None, min_batch
+    good, bad = 0, None  # in units of multiple_of
+    units, top = -(-min_batch // multiple_of), max_batch // multiple_of
     while True:
-        if not fits(batch):
-            bad = batch
+        if not fits(units):
+            bad = units
             break
-        good = batch
-        if batch == max_batch:
+        good = units
+        if units == top:
             break
-        batch = min(2 * batch, max_batch)
+        units = min(2 * units, top)
     while good and bad is not None and bad - good > 1:
         mid = (good + bad) // 2
         good, bad = (mid, bad) if fits(mid) else (good, mid)
-    plan = trials[good][1] if good in trials else None
-    return Capacity(good, plan, tuple(t for t, _ in trials.values()), max_overhead)
+    batch = good * multiple_of
+    plan = trials[batch][1] if batch in trials else None
+    return Capacity(batch, plan, tuple(t for t, _ in trials.values()), max_overhead)
 
 
 def max_batch_size(factory: Factory, budget_gb: float, max_overhead: float = 0.1, **kwargs: Any) -> int:

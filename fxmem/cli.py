@@ -70,9 +70,12 @@ def _parser() -> argparse.ArgumentParser:
                    "(parameters, gradients, optimizer state, activations by module) and exit")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
                    help="optimizer whose state --estimate counts (default adamw)")
-    p.add_argument("--max-batch", action="store_true", help="search the largest batch size that fits --budget-gb")
+    p.add_argument("--max-batch", action="store_true", help="search the largest batch size that fits "
+                   "--budget-gb, upward from --batch-size (default 1)")
     p.add_argument("--max-overhead", type=float, default=0.1,
                    help="with --max-batch: most predicted extra step time, fraction (default 0.1)")
+    p.add_argument("--batch-multiple", type=int, default=1,
+                   help="with --max-batch: only try multiples of this batch size (default 1)")
     p.add_argument("--check", metavar="PLAN_JSON", help="check that a saved plan applies to MODEL at this "
                    "batch/shape/dtype and torch version; print what differs")
     p.add_argument("--quiet", action="store_true", help="no progress output on stderr")
@@ -251,7 +254,7 @@ def run(args: argparse.Namespace) -> None:
             with Progress(f"searching the largest batch of {args.model} under {args.budget_gb} GiB",
                           time_limit_s=args.time_limit, quiet=args.quiet):
                 found = _call_plan(batch_search, lambda b: make(b), args.budget_gb, args.max_overhead,
-                                   min_batch=start, **kwargs)
+                                   min_batch=start, multiple_of=args.batch_multiple, **kwargs)
             print(found.table() + "\n")
             if found.plan is None:
                 raise CliError(f"not even batch {start} fits {args.budget_gb} GiB at "

@@ -47,13 +47,15 @@ def plot_timeline(plan: Any, path: str | os.PathLike, *, title: str | None = Non
                          "has none); make it with fxmem.plan(...) to draw it")
     plt = _pyplot()
     eager, planned = timelines["eager"], timelines["plan"]
+    unit, scale = ("GiB", 2**30) if max(eager.peak, plan.budget_bytes) >= 2 * 2**30 else ("MiB", MIB)
     fig, ax = plt.subplots(figsize=(10, 4.5), dpi=110)
-    ax.plot(range(len(eager.live)), [b / MIB for b in eager.live], color="tab:gray", lw=1.2,
-            label=f"eager (peak {eager.peak / MIB:,.1f} MiB)")
-    ax.plot(range(len(planned.live)), [b / MIB for b in planned.live], color="tab:blue", lw=1.4,
-            label=f"plan (peak {planned.peak / MIB:,.1f} MiB)")
-    ax.axhline(plan.budget_bytes / MIB, color="tab:red", ls="--", lw=1, label=f"budget {plan.budget_bytes / MIB:,.1f} MiB")
-    ax.axhline(planned.static / MIB, color="tab:green", ls=":", lw=1, label="parameters, buffers, inputs")
+    ax.plot(range(len(eager.live)), [b / scale for b in eager.live], color="tab:gray", lw=1.2,
+            label=f"eager (peak {eager.peak / scale:,.2f} {unit})")
+    ax.plot(range(len(planned.live)), [b / scale for b in planned.live], color="tab:blue", lw=1.4,
+            label=f"plan (peak {planned.peak / scale:,.2f} {unit})")
+    ax.axhline(plan.budget_bytes / scale, color="tab:red", ls="--", lw=1,
+               label=f"budget {plan.budget_bytes / scale:,.2f} {unit}")
+    ax.axhline(planned.static / scale, color="tab:green", ls=":", lw=1, label="parameters, buffers, inputs")
     marks = (("recompute", set(plan.recompute), "tab:orange", "recomputed"),
              ("offload", set(getattr(plan, "offload", ()) or ()), "tab:purple", "offloaded"))
     for _, names, color, label in marks:
@@ -65,7 +67,7 @@ def plot_timeline(plan: Any, path: str | os.PathLike, *, title: str | None = Non
         ax.axvline(boundary - 0.5, color="black", lw=0.6, alpha=0.5)
         ax.text(boundary, ax.get_ylim()[1] * 0.98, " backward", va="top", fontsize=8)
     ax.set_xlabel("op in the training step (forward, then backward)")
-    ax.set_ylabel("live memory, MiB")
+    ax.set_ylabel(f"live memory, {unit}")
     ax.set_ylim(bottom=0)
     ax.set_title(title or f"{plan.model} {plan.signature}: {plan.extra_flops_pct:.1f}% extra FLOPs", fontsize=10)
     ax.legend(loc="upper left", fontsize=8)

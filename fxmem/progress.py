@@ -46,7 +46,7 @@ class Progress(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:  # logging.Handler
         message = record.getMessage()
-        if message.startswith("joint graph"):
+        if message.startswith("joint graph") and self.time_limit_s:
             message = f"solving ({message})"
         self.stage(message)
 

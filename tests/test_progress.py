@@ -18,7 +18,7 @@ class _Terminal(io.StringIO):
 
 def test_not_a_terminal_prints_one_line_per_stage():
     out, handlers = io.StringIO(), list(log.handlers)
-    with Progress("planning m", stream=out):
+    with Progress("planning m", stream=out, time_limit_s=10):
         log.info("joint graph: 3 forward ops")
         log.info("cpsat: optimal in 0.1 s")
     lines = out.getvalue().splitlines()
@@ -26,6 +26,10 @@ def test_not_a_terminal_prints_one_line_per_stage():
                          "fxmem: cpsat: optimal in 0.1 s"]
     assert lines[3].startswith("fxmem: done in") and "\r" not in out.getvalue()
     assert log.handlers == handlers
+    out = io.StringIO()
+    with Progress("estimating m", stream=out):  # no solver: the stage is not called solving
+        log.info("joint graph: 3 forward ops")
+    assert out.getvalue().splitlines()[1] == "fxmem: joint graph: 3 forward ops"
 
 
 def test_quiet_prints_nothing():

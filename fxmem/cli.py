@@ -43,6 +43,16 @@ class CliError(Exception):
     """A message for the person at the terminal; the command exits with status 2."""
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fxmem-plan", description="Plan what to keep and what to recompute so a training step fits a "
@@ -50,17 +60,17 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", help="zoo preset (see --list-models) or package.module:factory")
     p.add_argument("--budget-gb", type=float, help="memory budget of one training step, GiB")
-    p.add_argument("--batch-size", type=int, help="batch size (default: the preset's)")
-    p.add_argument("--seq-len", type=int, help="sequence length, for sequence models (gpt-*; default: the preset's)")
+    p.add_argument("--batch-size", type=_positive, help="batch size (default: the preset's)")
+    p.add_argument("--seq-len", type=_positive, help="sequence length, for sequence models (gpt-*; default: the preset's)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
                    help="plan the step under torch.autocast with this dtype (default fp32: no autocast); "
                         "train under the same autocast")
     p.add_argument("--target", default="cpu", help="device to price time for: cpu, a100, h100, h200, l4, "
                    "rtx4090 (default: cpu)")
     p.add_argument("--offload", action="store_true", help="let the plan offload saved values to host memory")
-    p.add_argument("--stages", type=int, help="split the model into S pipeline stages")
+    p.add_argument("--stages", type=_positive, help="split the model into S pipeline stages")
     p.add_argument("--schedule", help="pipeline schedule, with --stages (e.g. gpipe, 1f1b)")
-    p.add_argument("--microbatches", type=int, help="pipeline microbatches, with --stages")
+    p.add_argument("--microbatches", type=_positive, help="pipeline microbatches, with --stages")
     p.add_argument("--solver", default="cpsat", help="cpsat (default) or greedy")
     p.add_argument("--time-limit", type=float, default=10.0, help="solver time limit, seconds (default 10)")
     p.add_argument("--by", choices=("module", "op"), default="module", help="group the plan table by")
@@ -74,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
                    "--budget-gb, upward from --batch-size (default 1)")
     p.add_argument("--max-overhead", type=float, default=0.1,
                    help="with --max-batch: most predicted extra step time, fraction (default 0.1)")
-    p.add_argument("--batch-multiple", type=int, default=1,
+    p.add_argument("--batch-multiple", type=_positive, default=1,
                    help="with --max-batch: only try multiples of this batch size (default 1)")
     p.add_argument("--check", metavar="PLAN_JSON", help="check that a saved plan applies to MODEL at this "
                    "batch/shape/dtype and torch version; print what differs")
@@ -134,8 +144,11 @@ def model_factory(spec: str, seq_len: int | None = None) -> Callable[[int | None
             hint = " (a factory takes batch_size= and seq_len= when those flags are given)" \
                 if isinstance(exc, TypeError) and "argument" in str(exc) else ""
             raise CliError(f"{spec}: {call} raised {type(exc).__name__}: {exc}{hint}") from None
-        if not (isinstance(made, tuple) and len(made) == 2):
-            raise CliError(f"{spec} must return (model, example_inputs), got {type(made).__name__}")
+        import torch
+
+        if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module)):
+            got = type(made[0] if isinstance(made, tuple) and len(made) == 2 else made).__name__
+            raise CliError(f"{spec} must return (model, example_inputs) with an nn.Module model, got {got}")
         return made[0], tuple(made[1]) if isinstance(made[1], (tuple, list)) else (made[1],)
 
     return make

@@ -41,10 +41,10 @@ def test_largest_batch_fits_and_the_next_does_not():
 def test_overhead_limit_and_nothing_fits():
     factory = _factory()
     budget_gb = fxmem.plan(*factory(1024)).baseline_peak_bytes * 0.95 / GIB  # 1024 only with recompute
-    strict = max_batch_size(factory, budget_gb, max_overhead=0.0, min_batch=512, max_batch=1024, multiple_of=64,
+    strict = max_batch_size(factory, budget_gb, max_overhead=0.0, min_batch=512, max_batch=1024, multiple_of=128,
                             **OPTS)
     assert 512 <= strict < 1024
-    assert _fits(factory, strict, budget_gb, 0.0) and not _fits(factory, strict + 64, budget_gb, 0.0)
+    assert _fits(factory, strict, budget_gb, 0.0) and not _fits(factory, strict + 128, budget_gb, 0.0)
     assert max_batch_size(factory, 1e-6, **OPTS) == 0
 
 

@@ -1,5 +1,5 @@
-"""fxmem-plan driven as a user would: a subprocess for the main paths (exit codes, messages, files),
-main(argv) in-process for the rest (the same code, without starting Python again)."""
+"""fxmem-plan driven as a user would: a subprocess for a plan and for an error (exit codes, messages,
+files), main(argv) in-process for the rest (the same code, without starting Python again)."""
 from __future__ import annotations
 
 import copy
@@ -26,12 +26,14 @@ def cli(capsys, *args) -> tuple[int, str, str]:
     return code, out, err
 
 
-def test_help_shows_worked_examples():
-    result = run("--help")
-    assert result.returncode == 0
+def test_help_shows_worked_examples(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert info.value.code == 0
     for text in ("examples:", "--budget-gb", "--out gpt.plan.json --plot gpt.png", "--estimate", "--max-batch",
                  "fxmem.optimize(model, plan=fxmem.Plan.load"):
-        assert text in result.stdout
+        assert text in out
 
 
 def test_plan_saves_json_and_png_that_optimize_reads(tmp_path):
@@ -75,6 +77,14 @@ def test_gib_up_rounds_up_to_three_digits():
     assert _gib_up(150 * 1024) == "0.000144"
 
 
+def test_bad_numbers_are_usage_errors(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["mlp-tiny", "--budget-gb", "1", "--batch-size", "0"])
+    assert info.value.code == 2 and "expected a positive whole number, got '0'" in capsys.readouterr().err
+    code, _, err = cli(capsys, "mlp-tiny", "--budget-gb", "-1")
+    assert code == 2 and "budget_gb must be a positive number" in err
+
+
 def test_list_models(capsys):
     code, out, _ = cli(capsys, "--list-models")
     assert code == 0 and "gpt-tiny" in out and "resnet18" in out
@@ -85,6 +95,7 @@ def test_list_models(capsys):
     ("json:no_such_factory", "json has no callable 'no_such_factory'"),
     ("json:", "cannot read 'json:' as package.module:factory"),
     ("json:dumps", "dumps() raised TypeError"),
+    ("os:getcwd", "must return (model, example_inputs) with an nn.Module model, got str"),
 ])
 def test_bad_factory_is_one_line(capsys, spec, says):
     code, _, err = cli(capsys, spec, "--budget-gb", "1")

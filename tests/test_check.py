@@ -86,3 +86,12 @@ def test_bf16_plan_trains_like_aot_autograd_under_the_same_autocast():
         torch.testing.assert_close(p.grad, q.grad, atol=1e-2, rtol=2e-2)
     with pytest.raises(fxmem.PlanMismatchError, match="autocast"):  # the plan needs its autocast
         step(fxmem.optimize(copy.deepcopy(reference), plan=plan), inputs)
+
+
+def test_optimize_plans_again_when_autocast_changes():
+    model, inputs = models.from_name("mlp-tiny"), models.example_inputs("mlp-tiny")
+    optimized = fxmem.optimize(model, budget_gb=1.0, solver="greedy")
+    with torch.autocast(**BF16):
+        step(optimized, inputs)
+    step(optimized, inputs)
+    assert [p.signature.endswith("autocast(cpu:bfloat16)") for p in optimized.plans] == [True, False]

@@ -9,10 +9,14 @@ from fxmem.cost import DeviceSpec
 from fxmem.errors import FxmemError, InfeasibleBudgetError, PlanMismatchError, TraceError
 from fxmem.plan import Plan
 from fxmem.runtime import OptimizedModule, optimize, plan
+from fxmem.estimate import Estimate, estimate
+from fxmem.capacity import max_batch_size
+from fxmem.check import check_plan
 
 __version__ = "0.1.0"
 
 __all__ = [
     "plan", "optimize", "capture", "Plan", "DeviceSpec", "OptimizedModule",
     "FxmemError", "InfeasibleBudgetError", "TraceError", "PlanMismatchError", "__version__",
+    "estimate", "Estimate", "max_batch_size", "check_plan",
 ]

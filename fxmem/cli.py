@@ -1,94 +1,308 @@
-"""`fxmem-plan`: plan a model's training step under a memory budget, print the table, write the plan.
+"""`fxmem-plan`: plan a model's training step under a memory budget, offline, before training.
 
-Reads a zoo preset name or a `package.module:factory` returning (model, example_inputs);
-writes the plan JSON given with --out. Planning runs on fake tensors: no real memory is used.
+Reads a zoo preset name or a `package.module:factory` returning (model, example_inputs), and with
+--check a plan JSON; writes the plan JSON given with --out and a PNG timeline given with --plot.
+Planning runs on fake tensors: the model never runs and no activation memory is used.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
-import logging
+import math
+import os
 import sys
-import time
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 EXAMPLES = """\
 examples:
-  fxmem-plan gpt-small --budget-gb 2               plan nanoGPT-sized GPT under 2 GiB
-  fxmem-plan gpt2 --budget-gb 6 --batch-size 8 --out gpt2.plan.json
-  fxmem-plan resnet18 --budget-gb 3 --target h100   price recompute for an H100
-  fxmem-plan mypkg.models:make --budget-gb 10     your factory returning (model, example_inputs)
-  fxmem-plan --list-models
+  fxmem-plan --list-models                          the zoo presets and their batch sizes
+  fxmem-plan gpt-small --estimate                   where the memory goes (no budget needed)
+  fxmem-plan gpt-small --budget-gb 2                plan nanoGPT-sized GPT under 2 GiB, print the table
+  fxmem-plan gpt-small --budget-gb 2 --out gpt.plan.json --plot gpt.png
+                                                    save the plan and a picture of memory over the step
+  fxmem-plan gpt2 --budget-gb 6 --batch-size 8 --seq-len 512 --dtype bf16 --target h100
+                                                    bf16 autocast, time priced for an H100
+  fxmem-plan gpt-small --budget-gb 2 --max-batch    largest batch that fits at <= 10% predicted overhead
+  fxmem-plan gpt-small --batch-size 64 --check gpt.plan.json
+                                                    does a saved plan still apply to this model/shape/torch?
+  fxmem-plan mypkg.models:make --budget-gb 10       your factory: make(batch_size=N, seq_len=L) or make()
+                                                    returning (model, example_inputs)
 
-The budget bounds one training step (forward, loss, backward): parameters, gradients,
-saved activations and temporaries, in GiB (2**30 bytes).
+Then, in the training script:
+  model = fxmem.optimize(model, plan=fxmem.Plan.load("gpt.plan.json"))
+
+The budget bounds one training step (forward, loss, backward): parameters, gradients, saved
+activations and temporaries, in GiB (2**30 bytes). Exit status: 0 on success, 2 on any error.
 """
+DTYPES = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
+OPTIMIZERS = ("none", "sgd", "sgd-momentum", "adam", "adamw")
+
+
+class CliError(Exception):
+    """A message for the person at the terminal; the command exits with status 2."""
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="fxmem-plan", description="Plan what to keep and what to recompute so a training step "
-        "fits a memory budget.", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model", nargs="?", help="zoo preset (see --list-models) or package.module:factory")
-    parser.add_argument("--budget-gb", type=float, help="memory budget of one training step, GiB")
-    parser.add_argument("--batch-size", type=int, help="batch size (default: the preset's)")
-    parser.add_argument("--target", default="cpu", help="device to price time for: cpu, a100, h100, h200, l4, "
-                        "rtx4090 (default: cpu)")
-    parser.add_argument("--solver", default="cpsat", help="cpsat (default) or greedy")
-    parser.add_argument("--time-limit", type=float, default=10.0, help="solver time limit, seconds (default 10)")
-    parser.add_argument("--by", choices=("module", "op"), default="module", help="group the table by")
-    parser.add_argument("--out", help="write the plan JSON here")
-    parser.add_argument("--list-models", action="store_true", help="list the zoo presets and exit")
-    return parser
+    p = argparse.ArgumentParser(
+        prog="fxmem-plan", description="Plan what to keep and what to recompute so a training step fits a "
+        "memory budget, without running the model.", epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", nargs="?", help="zoo preset (see --list-models) or package.module:factory")
+    p.add_argument("--budget-gb", type=float, help="memory budget of one training step, GiB")
+    p.add_argument("--batch-size", type=_positive, help="batch size (default: the preset's)")
+    p.add_argument("--seq-len", type=_positive, help="sequence length, for sequence models (gpt-*; default: the preset's)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
+                   help="plan the step under torch.autocast with this dtype (default fp32: no autocast); "
+                        "train under the same autocast")
+    p.add_argument("--target", default="cpu", help="device to price time for: cpu, a100, h100, h200, l4, "
+                   "rtx4090 (default: cpu)")
+    p.add_argument("--offload", action="store_true", help="let the plan offload saved values to host memory")
+    p.add_argument("--stages", type=_positive, help="split the model into S pipeline stages")
+    p.add_argument("--schedule", help="pipeline schedule, with --stages (e.g. gpipe, 1f1b)")
+    p.add_argument("--microbatches", type=_positive, help="pipeline microbatches, with --stages")
+    p.add_argument("--solver", default="cpsat", help="cpsat (default) or greedy")
+    p.add_argument("--time-limit", type=float, default=10.0, help="solver time limit, seconds (default 10)")
+    p.add_argument("--by", choices=("module", "op"), default="module", help="group the plan table by")
+    p.add_argument("--out", help="write the plan JSON here")
+    p.add_argument("--plot", help="write a PNG of live memory over the step (eager vs plan) here")
+    p.add_argument("--estimate", action="store_true", help="print the memory breakdown of an eager step "
+                   "(parameters, gradients, optimizer state, activations by module) and exit")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                   help="optimizer whose state --estimate counts (default adamw)")
+    p.add_argument("--max-batch", action="store_true", help="search the largest batch size that fits "
+                   "--budget-gb, upward from --batch-size (default 1)")
+    p.add_argument("--max-overhead", type=float, default=0.1,
+                   help="with --max-batch: most predicted extra step time, fraction (default 0.1)")
+    p.add_argument("--batch-multiple", type=_positive, default=1,
+                   help="with --max-batch: only try multiples of this batch size (default 1)")
+    p.add_argument("--check", metavar="PLAN_JSON", help="check that a saved plan applies to MODEL at this "
+                   "batch/shape/dtype and torch version; print what differs")
+    p.add_argument("--quiet", action="store_true", help="no progress output on stderr")
+    p.add_argument("--list-models", action="store_true", help="list the zoo presets and exit")
+    return p
 
 
-def load_model(spec: str, batch_size: int | None) -> tuple[Any, tuple]:
-    """A zoo preset, or `package.module:factory` called as factory() or factory(batch_size=N)."""
+# ---- models ----------------------------------------------------------------------------------
+def _zoo_overrides(name: str, seq_len: int | None) -> dict[str, int]:
+    from fxmem import models
+
+    if seq_len is None:
+        return {}
+    if not hasattr(models.preset_config(name), "block_size"):
+        seq = [m for m in models.list_models() if hasattr(models.preset_config(m), "block_size")]
+        raise CliError(f"--seq-len applies to sequence models ({', '.join(seq)}), not {name}")
+    return {"block_size": seq_len}
+
+
+def _factory_fn(spec: str) -> Callable[..., Any]:
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise CliError(f"cannot read {spec!r} as package.module:factory (e.g. mypkg.models:make)")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # a factory next to the user's files, as with python -m
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise CliError(f"cannot import {module_name!r} for {spec!r}: {type(exc).__name__}: {exc}") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise CliError(f"{module_name} has no callable {attr!r} (from {spec!r})")
+    return factory
+
+
+def model_factory(spec: str, seq_len: int | None = None) -> Callable[[int | None], tuple[Any, tuple]]:
+    """`make(batch_size) -> (model, example_inputs)` for a zoo preset (the model is built once) or a
+    user factory, called as factory(batch_size=N, seq_len=L) with the arguments given."""
     from fxmem import models
 
     if ":" not in spec:
         if spec not in models.list_models():
-            raise SystemExit(f"fxmem-plan: unknown model {spec!r}. Presets: {', '.join(models.list_models())}; "
-                             "or give package.module:factory")
-        return models.from_name(spec), models.example_inputs(spec, batch_size)
-    module_name, _, attr = spec.partition(":")
+            raise CliError(f"unknown model {spec!r}. Presets: {', '.join(models.list_models())}; "
+                           "or give package.module:factory")
+        overrides = _zoo_overrides(spec, seq_len)
+        model = models.from_name(spec, **overrides)
+        return lambda batch: (model, models.example_inputs(spec, batch, **overrides))
+    factory = _factory_fn(spec)
+
+    def make(batch: int | None) -> tuple[Any, tuple]:
+        kwargs = {k: v for k, v in (("batch_size", batch), ("seq_len", seq_len)) if v is not None}
+        try:
+            made = factory(**kwargs)
+        except Exception as exc:  # the user's code: say which call failed, in one line
+            call = f"{factory.__name__}({', '.join(f'{k}={v}' for k, v in kwargs.items())})"
+            hint = " (a factory takes batch_size= and seq_len= when those flags are given)" \
+                if isinstance(exc, TypeError) and "argument" in str(exc) else ""
+            raise CliError(f"{spec}: {call} raised {type(exc).__name__}: {exc}{hint}") from None
+        import torch
+
+        if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module)):
+            got = type(made[0] if isinstance(made, tuple) and len(made) == 2 else made).__name__
+            raise CliError(f"{spec} must return (model, example_inputs) with an nn.Module model, got {got}")
+        return made[0], tuple(made[1]) if isinstance(made[1], (tuple, list)) else (made[1],)
+
+    return make
+
+
+def load_model(spec: str, batch_size: int | None, seq_len: int | None = None) -> tuple[Any, tuple]:
+    return model_factory(spec, seq_len)(batch_size)
+
+
+@contextlib.contextmanager
+def precision(dtype: str, model: Any) -> Iterator[None]:
+    """torch.autocast on the model's device with `dtype`, or nothing for fp32."""
+    import torch
+
+    if DTYPES[dtype] is None:
+        yield
+        return
+    device = next((p.device.type for p in model.parameters()), "cpu")
+    with torch.autocast(device, dtype=getattr(torch, DTYPES[dtype])):
+        yield
+
+
+# ---- commands --------------------------------------------------------------------------------
+def _plan_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"device": args.target, "solver": args.solver, "time_limit_s": args.time_limit}
+    extra = {"offload": True if args.offload else None, "num_stages": args.stages, "schedule": args.schedule,
+             "n_microbatches": args.microbatches}
+    kwargs.update({k: v for k, v in extra.items() if v is not None})
+    return kwargs
+
+
+def _call_plan(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call a planning function; a keyword this build's fxmem.plan does not take is a clear error."""
+    flags = {"offload": "--offload", "num_stages": "--stages", "schedule": "--schedule",
+             "n_microbatches": "--microbatches"}
     try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise SystemExit(f"fxmem-plan: cannot load {spec!r}: {exc}") from None
-    made = factory(batch_size=batch_size) if batch_size is not None else factory()
-    if not (isinstance(made, tuple) and len(made) == 2):
-        raise SystemExit(f"fxmem-plan: {spec} must return (model, example_inputs), got {type(made).__name__}")
-    return made[0], tuple(made[1])
+        return fn(*args, **kwargs)
+    except TypeError as exc:
+        named = [flag for key, flag in flags.items() if key in kwargs and f"'{key}'" in str(exc)]
+        if named and "keyword argument" in str(exc):
+            raise CliError(f"{named[0]} is not available in this build of fxmem (fxmem.plan does not take it)") \
+                from None
+        raise
+
+
+def _gib_up(nbytes: int) -> str:
+    """GiB rounded up to 3 significant digits, so passing it back as --budget-gb is enough."""
+    gib = nbytes / 2**30
+    decimals = max(0, 2 - math.floor(math.log10(gib))) if gib > 0 else 0
+    return f"{math.ceil(gib * 10**decimals) / 10**decimals:.{decimals}f}"
+
+
+def infeasible_message(exc: Any, what: str) -> str:
+    from fxmem.errors import fmt_bytes
+
+    parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in exc.breakdown.items())
+    return (f"budget {fmt_bytes(exc.budget_bytes)} is below the minimum feasible budget "
+            f"{fmt_bytes(exc.min_budget_bytes)} for {what}" + (f" ({parts})" if parts else "")
+            + f"; use --budget-gb {_gib_up(exc.min_budget_bytes)} or more, a smaller --batch-size, or --offload")
+
+
+def _estimate(args: argparse.Namespace, model: Any, inputs: tuple) -> None:
+    import torch
+
+    from fxmem.estimate import estimate
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = {"none": lambda: None, "sgd": lambda: torch.optim.SGD(params, lr=0.1),
+                 "sgd-momentum": lambda: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+                 "adam": lambda: torch.optim.Adam(params), "adamw": lambda: torch.optim.AdamW(params)}[args.optimizer]()
+    print(estimate(model, inputs, optimizer).table())
+
+
+def _check(args: argparse.Namespace, model: Any, inputs: tuple) -> None:
+    from fxmem.plan import Plan
+    from fxmem.check import check_plan
+
+    plan = Plan.load(args.check)
+    check_plan(model, inputs, plan)
+    print(f"{args.check} applies to {plan.model} {plan.signature} (torch {plan.torch_version})")
+
+
+def _write(args: argparse.Namespace, plan: Any) -> None:
+    print(plan.table(by=args.by))
+    if args.out:
+        plan.save(args.out)
+        print(f"\nplan written to {args.out}; use it with fxmem.optimize(model, plan=fxmem.Plan.load({args.out!r}))")
+    if args.plot:
+        from fxmem.plot import plot_timeline
+
+        plot_timeline(plan, args.plot)
+        print(f"memory timeline written to {args.plot}")
+
+
+def run(args: argparse.Namespace) -> None:
+    import fxmem
+    from fxmem.progress import Progress
+    from fxmem.runtime import signature_of
+
+    make = model_factory(args.model, args.seq_len)
+    model, inputs = make(args.batch_size)
+    with precision(args.dtype, model):
+        what = f"{args.model} {signature_of(model, inputs, {})}"
+        if args.estimate:
+            with Progress(f"estimating {what}", quiet=args.quiet):
+                return _estimate(args, model, inputs)
+        if args.check:
+            return _check(args, model, inputs)
+        if args.budget_gb is None:
+            raise CliError("give --budget-gb (or --estimate, --check); see the examples in --help")
+        kwargs = _plan_kwargs(args)
+        if args.max_batch:
+            from fxmem.capacity import batch_search
+
+            start = args.batch_size or 1
+            with Progress(f"searching the largest batch of {args.model} under {args.budget_gb} GiB",
+                          time_limit_s=args.time_limit, quiet=args.quiet):
+                found = _call_plan(batch_search, lambda b: make(b), args.budget_gb, args.max_overhead,
+                                   min_batch=start, multiple_of=args.batch_multiple, **kwargs)
+            print(found.table() + "\n")
+            if found.plan is None:
+                raise CliError(f"not even batch {start} fits {args.budget_gb} GiB at "
+                               f"<= {100 * args.max_overhead:.0f}% overhead: {found.trials[0].reason}")
+            return _write(args, found.plan)
+        with Progress(f"planning {what} under {args.budget_gb} GiB", time_limit_s=args.time_limit,
+                      quiet=args.quiet):
+            try:
+                plan = _call_plan(fxmem.plan, model, inputs, args.budget_gb, **kwargs)
+            except fxmem.InfeasibleBudgetError as exc:
+                raise CliError(infeasible_message(exc, what)) from None
+        _write(args, plan)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     if args.list_models:
         from fxmem import models
 
         print("\n".join(f"{name:12s} batch {models.default_batch_size(name)}" for name in models.list_models()))
         return 0
-    if args.model is None or args.budget_gb is None:
-        _parser().error("give a MODEL and --budget-gb (see the examples below --help)")
-    import fxmem
+    if args.model is None:
+        parser.error("give a MODEL (see --list-models and the examples in --help)")
+    from fxmem.errors import FxmemError
 
-    logging.basicConfig(level=logging.INFO, format="fxmem: %(message)s", stream=sys.stderr)
-    started = time.perf_counter()
-    model, inputs = load_model(args.model, args.batch_size)
-    print(f"planning {args.model} {fxmem.runtime.signature_of(model, inputs, {})} under {args.budget_gb} GiB ...",
-          file=sys.stderr, flush=True)
     try:
-        plan = fxmem.plan(model, inputs, budget_gb=args.budget_gb, device=args.target, solver=args.solver,
-                          time_limit_s=args.time_limit)
-    except (fxmem.FxmemError, ValueError, KeyError) as exc:
-        print(f"fxmem-plan: {exc}", file=sys.stderr)
+        run(args)
+    except (CliError, FxmemError, ValueError, KeyError, OSError) as exc:
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"fxmem-plan: {message}", file=sys.stderr)
         return 2
-    print(plan.table(by=args.by))
-    if args.out:
-        plan.save(args.out)
-        print(f"\nplan written to {args.out}")
-    print(f"(planned in {time.perf_counter() - started:.1f} s)", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("fxmem-plan: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -45,6 +45,9 @@ class Plan:
     nodes: tuple[dict[str, Any], ...] = ()
     fxmem_version: str = FXMEM_VERSION
     schema_version: int = SCHEMA_VERSION
+    # Simulated live bytes over the step, {"eager": MemoryTimeline, "plan": MemoryTimeline}, for
+    # pictures; kept in memory only (not written to JSON, not compared).
+    timelines: Any = field(default=None, compare=False, repr=False)
 
     @property
     def extra_flops_pct(self) -> float:
@@ -64,7 +67,8 @@ class Plan:
 
     # ---- files -------------------------------------------------------------------------------
     def to_json(self) -> str:
-        data = dataclasses.asdict(self)
+        data = dataclasses.asdict(dataclasses.replace(self, timelines=None))
+        data.pop("timelines")
         return json.dumps(data, sort_keys=True, indent=1)
 
     def save(self, path: str | os.PathLike) -> None:

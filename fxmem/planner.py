@@ -119,7 +119,8 @@ class Planner:
             solver_gap=solution.gap if solution else 0.0, solve_time_s=solve_time,
             device=request.device.name, model=request.model, signature=request.signature,
             fingerprint=fingerprint, torch_version=torch.__version__,
-            breakdown=_breakdown(split), nodes=_node_rows(lowered, costs, set(saved), set(recomputed)))
+            breakdown=_breakdown(split), nodes=_node_rows(lowered, costs, set(saved), set(recomputed)),
+            timelines={"eager": eager.timeline, "plan": chosen.timeline})
         return plan, fw, bw
 
     def _fit(self, joint, lowered: Lowered, split: JointSplit, budget: int):

@@ -86,7 +86,15 @@ def describe_input(x: Any) -> str:
 def signature_of(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
     """Readable input signature: shapes and dtypes of tensor inputs, other values, mode."""
     parts = [describe_input(a) for a in args] + [f"{k}={describe_input(v)}" for k, v in sorted(kwargs.items())]
-    return f"({', '.join(parts)}){'' if model.training else ' eval'}"
+    return f"({', '.join(parts)}){'' if model.training else ' eval'}{autocast_state()}"
+
+
+def autocast_state() -> str:
+    """' autocast(cpu:bfloat16)' inside `torch.autocast`, '' outside: a plan made under autocast
+    has other dtypes (and graph) than one made without, so it is part of the input signature."""
+    on = [f"{d}:{str(torch.get_autocast_dtype(d)).replace('torch.', '')}" for d in ("cpu", "cuda")
+          if torch.is_autocast_enabled(d)]
+    return f" autocast({', '.join(on)})" if on else ""
 
 
 def budget_bytes(budget_gb: float | None) -> int | None:
@@ -175,7 +183,7 @@ def _cache_key(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
     desc = tuple((tuple(x.shape), x.dtype, x.device, x.requires_grad) if isinstance(x, torch.Tensor) else x
                  for x in leaves)
     modes = tuple(m.training for m in model.modules())
-    return (str(spec), desc, modes)
+    return (str(spec), desc, modes, autocast_state())
 
 
 def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Plan | None = None,

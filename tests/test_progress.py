@@ -1,0 +1,50 @@
+"""Progress on stderr: stage lines when not a terminal, a spinner on one, nothing when quiet."""
+from __future__ import annotations
+
+import io
+import logging
+import time
+
+from fxmem import progress
+from fxmem.progress import Progress
+
+log = logging.getLogger("fxmem")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_not_a_terminal_prints_one_line_per_stage():
+    out, handlers = io.StringIO(), list(log.handlers)
+    with Progress("planning m", stream=out, time_limit_s=10):
+        log.info("joint graph: 3 forward ops")
+        log.info("cpsat: optimal in 0.1 s")
+    lines = out.getvalue().splitlines()
+    assert lines[:3] == ["fxmem: planning m", "fxmem: solving (joint graph: 3 forward ops)",
+                         "fxmem: cpsat: optimal in 0.1 s"]
+    assert lines[3].startswith("fxmem: done in") and "\r" not in out.getvalue()
+    assert log.handlers == handlers
+    out = io.StringIO()
+    with Progress("estimating m", stream=out):  # no solver: the stage is not called solving
+        log.info("joint graph: 3 forward ops")
+    assert out.getvalue().splitlines()[1] == "fxmem: joint graph: 3 forward ops"
+
+
+def test_quiet_prints_nothing():
+    out = io.StringIO()
+    with Progress("planning m", stream=out, quiet=True):
+        log.info("joint graph: 3 forward ops")
+    assert out.getvalue() == ""
+
+
+def test_terminal_draws_a_spinner_after_the_delay(monkeypatch):
+    monkeypatch.setattr(progress, "DELAY_S", 0.05)
+    out = _Terminal()
+    with Progress("planning m", stream=out, time_limit_s=1.0):
+        log.info("joint graph: 3 forward ops")
+        time.sleep(0.4)
+    text = out.getvalue()
+    assert "\r\033[K" in text and "solving (joint graph" in text and "[" in text and "fxmem: done in" in text
+    assert "fxmem: solving" not in text  # no stage lines on a terminal: the spinner shows them

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import math
 import os
 import sys
 from typing import Any, Callable, Iterator, Sequence
@@ -194,20 +193,14 @@ def _call_plan(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         raise
 
 
-def _gib_up(nbytes: int) -> str:
-    """GiB rounded up to 3 significant digits, so passing it back as --budget-gb is enough."""
-    gib = nbytes / 2**30
-    decimals = max(0, 2 - math.floor(math.log10(gib))) if gib > 0 else 0
-    return f"{math.ceil(gib * 10**decimals) / 10**decimals:.{decimals}f}"
-
 
 def infeasible_message(exc: Any, what: str) -> str:
-    from fxmem.errors import fmt_bytes
+    from fxmem.errors import fmt_bytes, gb_at_least
 
     parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in exc.breakdown.items())
     return (f"budget {fmt_bytes(exc.budget_bytes)} is below the minimum feasible budget "
             f"{fmt_bytes(exc.min_budget_bytes)} for {what}" + (f" ({parts})" if parts else "")
-            + f"; use --budget-gb {_gib_up(exc.min_budget_bytes)} or more, a smaller --batch-size, or --offload")
+            + f"; use --budget-gb {gb_at_least(exc.min_budget_bytes)} or more, a smaller --batch-size, or --offload")
 
 
 def _estimate(args: argparse.Namespace, model: Any, inputs: tuple) -> None:

@@ -4,6 +4,8 @@ Reads and writes nothing.
 """
 from __future__ import annotations
 
+import math
+
 GIB = 2**30
 
 
@@ -19,6 +21,13 @@ class FxmemError(Exception):
     """Base class of fxmem's own errors."""
 
 
+def gb_at_least(nbytes: int) -> str:
+    """nbytes in GiB, rounded up at three significant digits (a budget_gb that is enough)."""
+    gb = nbytes / GIB
+    decimals = max(0, 2 - math.floor(math.log10(gb))) if gb > 0 else 0
+    return f"{math.ceil(gb * 10**decimals) / 10**decimals:.{decimals}f}"
+
+
 class InfeasibleBudgetError(FxmemError, ValueError):
     """The budget is below the least memory a training step of this model can use."""
 
@@ -30,7 +39,7 @@ class InfeasibleBudgetError(FxmemError, ValueError):
         super().__init__(
             f"budget {fmt_bytes(budget_bytes)} is below the minimum {fmt_bytes(min_budget_bytes)} "
             f"for this model and batch" + (f" ({parts})" if parts else "")
-            + f"; raise budget_gb to at least {min_budget_bytes / GIB:.3f}, lower the batch size, "
+            + f"; raise budget_gb to at least {gb_at_least(min_budget_bytes)}, lower the batch size, "
             "or enable offload"
         )
 

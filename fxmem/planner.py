@@ -154,6 +154,7 @@ class Planner:
             return lowest, solution, _with_margin(lowest.timeline.peak)
         breakdown = _breakdown(split)
         breakdown["smallest activation set"] = max(0, lowest.timeline.peak - sum(breakdown.values()))
+        breakdown["planning margin"] = _with_margin(lowest.timeline.peak) - lowest.timeline.peak
         raise InfeasibleBudgetError(int(budget + margin), _with_margin(lowest.timeline.peak), breakdown)
 
 

@@ -192,16 +192,15 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
     first call, from the real inputs; re-planned per input signature), or running a given `plan`.
     `offload=True` lets the planner copy saved values to host memory (see `plan`); `devices` places
     contiguous regions of the model on several devices, `budget_gb` per device."""
+    if devices is not None:
+        from fxmem.placement import optimize_on_devices
+
+        return optimize_on_devices(model, devices, budget_gb=budget_gb, plan=plan, device=target or device)
     if (budget_gb is None) == (plan is None):
         raise ValueError("pass exactly one of budget_gb= (plan at the first call) or plan= (a Plan made earlier)")
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"plan must be an fxmem.Plan (see fxmem.Plan.load), got {type(plan).__name__}")
     budget_bytes(budget_gb)
-
-    if devices is not None:
-        from fxmem.placement import optimize_on_devices
-
-        return optimize_on_devices(model, devices, budget_gb=budget_gb, plan=plan, device=target or device)
 
     def make_request(args: tuple, kwargs: dict) -> PlanRequest:
         request = _request(model, args, kwargs, budget_gb, plan, target or device, solver, time_limit_s, offload)

@@ -20,7 +20,7 @@ from fxmem.cost import DEVICE_PRESETS, CostTable, DeviceSpec, estimate
 from fxmem.errors import InfeasibleBudgetError, fmt_bytes
 from fxmem.memory import MemoryTimeline, simulate_step, storages_of
 from fxmem.plan import Plan, graph_fingerprint
-from fxmem.problem import decision_cost, enable_offload, eager_decision, offload_cost, saved_set
+from fxmem.problem import enable_offload, eager_decision, offload_cost, saved_set
 from fxmem.schedule import JointSplit, Lowered, build_problem, split_joint
 from fxmem.solve import Solution, make_solution, min_peak, solve
 from fxmem.passes.offload import offload as offload_pass, tag_offload
@@ -129,9 +129,7 @@ class Planner:
             chosen, solution, min_budget = self._fit_both(joint, lowered, split, budget)
         solve_time = time.perf_counter() - start
         saved = [n.name for n in chosen.bw.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
-        forward_names = {n.name for n in split.forward}
-        recomputed = [n.name for n in chosen.bw.graph.nodes
-                      if n.op == "call_function" and n.name in forward_names and not costs[n.name].is_view]
+        recomputed = _recomputed(chosen, split, costs)
         offloaded = [lowered.nodes[i].name for i in sorted(chosen.offloaded)]
         exposed_s = offload_cost(lowered.problem, chosen.offloaded) / 1e9
         fw, bw = self._partition(joint, saved, recomputed, offloaded)
@@ -164,8 +162,10 @@ class Planner:
             best, refusal = None, error
         offloaded = self._fit(joint, lowered, split, budget, fallback=False)
         if offloaded is not None:
-            cost = lambda c: decision_cost(problem, c[0].recompute, c[0].offloaded)  # noqa: E731
-            if best is None or cost(offloaded) < cost(best):
+            def extra_s(fit) -> float:  # what the plan adds to the step, as predicted_step_s counts it
+                return sum(self._costs[n].seconds for n in _recomputed(fit[0], split, self._costs)) \
+                    + offload_cost(problem, fit[0].offloaded) / 1e9
+            if best is None or extra_s(offloaded) < extra_s(best):
                 best = offloaded
         if best is None:
             raise refusal
@@ -238,6 +238,13 @@ def _node_rows(lowered: Lowered, costs: CostTable, saved: set[str], recomputed: 
         rows.append({"name": node.name, "op": cost.op, "module": cost.module, "bytes": lowered.problem.size[i] if lowered.problem.can_save[i] else 0,
                      "flops": cost.flops, "seconds": cost.seconds, "decision": decision})
     return tuple(rows)
+
+
+def _recomputed(candidate: _Candidate, split: JointSplit, costs: CostTable) -> list[str]:
+    """Forward values the candidate's backward graph recomputes (views excluded: they are free)."""
+    forward_names = {n.name for n in split.forward}
+    return [n.name for n in candidate.bw.graph.nodes
+            if n.op == "call_function" and n.name in forward_names and not costs[n.name].is_view]
 
 
 def _allow_offload(lowered: Lowered, split: JointSplit, costs: CostTable, min_bytes: int) -> Lowered:

@@ -115,7 +115,7 @@ def offload(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, offloaded: Itera
             ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
     """Rewrite `fw` and `bw` so the saved values named in `offloaded` live on the host in between.
     `seconds[name]`: a node's estimated time; `transfer_s(nbytes)`: one copy over the host link."""
-    saved = {n.name: n for n in bw.graph.find_nodes(op="placeholder")}
+    saved = {n.name: n for n in bw.graph.find_nodes(op="placeholder") if n.users}
     fw_nodes = {n.name: n for n in fw.graph.nodes}
     names = [n for n in offloaded if n in saved and n in fw_nodes]
     if not names:

@@ -27,6 +27,15 @@ def offloadable(problem, step=50, per_byte=10, latency=60, min_bytes=4):
                           min_bytes=min_bytes, overhead_ns=5)
 
 
+def test_host_link_presets():
+    h100 = fxmem.DeviceSpec.from_name("h100")
+    assert h100.host_link.name == "pcie5" and h100.host_link.bytes_per_s > 0
+    c2c = h100.with_link("nvlink-c2c")
+    assert c2c.host_link.seconds(2**30) < h100.host_link.seconds(2**30) and c2c.flops_per_s == h100.flops_per_s
+    with pytest.raises(KeyError, match="pcie4"):
+        h100.with_link("usb2")
+
+
 def test_copies_queue_on_one_stream():
     assert copies_out([0, 0, 10], [5, 5, 1]) == [5, 10, 11]  # the second waits for the first
     assert copies_out([0, 20], [5, 5]) == [5, 25]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from fxmem.cost import DEVICE_PRESETS, CostTable, DeviceSpec, estimate
+from fxmem.cost import DEVICE_PRESETS, HOST_LINKS, CostTable, DeviceSpec, estimate
 from fxmem.errors import InfeasibleBudgetError, fmt_bytes
 from fxmem.memory import MemoryTimeline, simulate_step, storages_of
 from fxmem.plan import Plan, graph_fingerprint
@@ -83,7 +83,10 @@ class Planner:
             self.plan = plan
             offloaded = getattr(plan, "offload", ())
             if offloaded:
-                self._costs = estimate(joint, _device_named(plan.device, self.request.device))
+                device = _device_named(plan.device, self.request.device)
+                if getattr(plan, "host_link", "") in HOST_LINKS:  # the link the plan was made for
+                    device = device.with_link(plan.host_link)
+                self._costs = estimate(joint, device)
             return self._partition(joint, plan.saved, plan.recompute, offloaded)
         self.plan, fw, bw = self._make_plan(joint, fingerprint)
         return fw, bw

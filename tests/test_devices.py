@@ -104,3 +104,24 @@ def test_tight_budget_splits_and_too_small_refuses():
         fxmem.optimize(copy.deepcopy(model), budget_gb=1e-6, devices=["cpu", "cpu"])(*inputs)
     with pytest.raises(ValueError, match="one per device"):
         fxmem.optimize(model, budget_gb=[1.0], devices=["cpu", "cpu"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA for a second device")
+def test_placed_across_cuda_and_cpu_trains_like_eager():
+    torch.manual_seed(0)
+    # No dropout: CPU and CUDA draw different random numbers.
+    model, inputs = models.from_name("gpt-tiny", dropout=0.0), models.example_inputs("gpt-tiny")
+    reference = copy.deepcopy(model).cuda()
+    placed = fxmem.optimize(model, budget_gb=1.0, devices=["cuda:0", "cpu"])
+    cuda_inputs = [x.cuda() for x in inputs]
+    torch.manual_seed(1)
+    expected = reference(*cuda_inputs)
+    expected.backward()
+    torch.manual_seed(1)
+    got = placed(*cuda_inputs)
+    got.backward()
+    assert {p.device.type for p in model.parameters()} == {"cuda", "cpu"}
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    ref = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.cpu(), ref[name].grad.cpu(), atol=1e-5, rtol=1e-5)

@@ -215,3 +215,19 @@ def test_offload_without_host_link_is_refused(mlp):
     bare = replace(fxmem.DeviceSpec.from_name("h100"), host_link=None)
     with pytest.raises(ValueError, match="host link"):
         fxmem.plan(model, inputs, budget_gb=1.0, offload=True, target=bare)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: side streams and pinned host memory")
+def test_offload_on_cuda_trains_like_eager_and_lowers_the_peak(mlp):
+    model, inputs, eager = mlp
+    target = fxmem.DeviceSpec.from_name("h100").with_link("nvlink-c2c")
+    plan = fxmem.plan(model, inputs, budget_gb=eager.baseline_peak_bytes * 0.7 / GIB, offload=True, target=target,
+                      time_limit_s=2)
+    assert plan.offload
+    cuda_model, cuda_inputs = copy.deepcopy(model).cuda(), [x.cuda() for x in inputs]
+    reference = copy.deepcopy(cuda_model)
+    optimized = fxmem.optimize(cuda_model, plan=plan)
+    assert_trains_like(reference, optimized, cuda_inputs, atol=1e-5, rtol=1e-5)
+    from fxmem.measure import measure_peak_bytes
+
+    assert measure_peak_bytes(optimized, cuda_inputs) < measure_peak_bytes(reference, cuda_inputs)

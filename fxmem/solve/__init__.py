@@ -1,4 +1,5 @@
-"""Solvers for the keep-or-recompute problem: pick the recompute set R for a `MemoryProblem`.
+"""Solvers for the keep-or-recompute problem: pick the recompute set R for a `MemoryProblem`
+(and, when the problem allows offload, the set O of values copied to host and back).
 
 Reads a `fxmem.problem.MemoryProblem` and nothing else (no torch, no fx, no files);
 returns a `Solution` whose objective and peak are always recomputed from R with the

@@ -86,7 +86,7 @@ class Planner:
                 device = _device_named(plan.device, self.request.device)
                 if getattr(plan, "host_link", "") in HOST_LINKS:  # the link the plan was made for
                     device = device.with_link(plan.host_link)
-                self._costs = estimate(joint, device)
+                self._price_copies(estimate(joint, device))
             return self._partition(joint, plan.saved, plan.recompute, offloaded)
         self.plan, fw, bw = self._make_plan(joint, fingerprint)
         return fw, bw
@@ -101,12 +101,17 @@ class Planner:
     def _offload(self, fw, bw, offloaded):
         if not offloaded:
             return fw, bw
-        link = self._costs.device.host_link
-        if link is None:
-            raise ValueError(f"device {self._costs.device.name} has no host link to offload over; "
+        seconds, device, _ = self._copy_pricing
+        if device.host_link is None:
+            raise ValueError(f"device {device.name} has no host link to offload over; "
                              "give it one with DeviceSpec.with_link(...)")
-        seconds = {name: c.seconds for name, c in self._costs.nodes.items()}
-        return offload_pass(fw, bw, offloaded, seconds, link.seconds)
+        return offload_pass(fw, bw, offloaded, seconds, device.host_link.seconds)
+
+    def _price_copies(self, costs: CostTable) -> None:
+        """Keep what the offload pass needs (node seconds, device) as plain, picklable values:
+        Inductor pickles its partitioner, and so this object."""
+        self._copy_pricing = ({name: c.seconds for name, c in costs.nodes.items()}, costs.device,
+                              frozenset(name for name, c in costs.nodes.items() if c.is_view))
 
     def _candidate(self, joint, lowered: Lowered, recompute: frozenset[int],
                    offloaded: frozenset[int] = frozenset()) -> _Candidate:
@@ -119,7 +124,8 @@ class Planner:
         request = self.request
         budget = request.budget_bytes
         split = split_joint(joint, self.num_fwd_outputs)
-        costs = self._costs = estimate(joint, request.device, backward=set(split.backward))
+        costs = estimate(joint, request.device, backward=set(split.backward))
+        self._price_copies(costs)
         lowered = build_problem(joint, split, costs, budget)
         if request.offload:
             lowered = _allow_offload(lowered, split, costs, request.offload_min_bytes)
@@ -132,7 +138,7 @@ class Planner:
             chosen, solution, min_budget = self._fit_both(joint, lowered, split, budget)
         solve_time = time.perf_counter() - start
         saved = [n.name for n in chosen.bw.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
-        recomputed = _recomputed(chosen, split, costs)
+        recomputed = _recomputed(chosen, split, self._copy_pricing[2])
         offloaded = [lowered.nodes[i].name for i in sorted(chosen.offloaded)]
         exposed_s = offload_cost(lowered.problem, chosen.offloaded) / 1e9
         fw, bw = self._partition(joint, saved, recomputed, offloaded)
@@ -166,7 +172,8 @@ class Planner:
         offloaded = self._fit(joint, lowered, split, budget, fallback=False)
         if offloaded is not None:
             def extra_s(fit) -> float:  # what the plan adds to the step, as predicted_step_s counts it
-                return sum(self._costs[n].seconds for n in _recomputed(fit[0], split, self._costs)) \
+                seconds, _, views = self._copy_pricing
+                return sum(seconds[n] for n in _recomputed(fit[0], split, views)) \
                     + offload_cost(problem, fit[0].offloaded) / 1e9
             if best is None or extra_s(offloaded) < extra_s(best):
                 best = offloaded
@@ -243,11 +250,11 @@ def _node_rows(lowered: Lowered, costs: CostTable, saved: set[str], recomputed: 
     return tuple(rows)
 
 
-def _recomputed(candidate: _Candidate, split: JointSplit, costs: CostTable) -> list[str]:
-    """Forward values the candidate's backward graph recomputes (views excluded: they are free)."""
+def _recomputed(candidate: _Candidate, split: JointSplit, views: set[str] | frozenset[str]) -> list[str]:
+    """Forward values the candidate's backward graph recomputes (`views` excluded: they are free)."""
     forward_names = {n.name for n in split.forward}
     return [n.name for n in candidate.bw.graph.nodes
-            if n.op == "call_function" and n.name in forward_names and not costs[n.name].is_view]
+            if n.op == "call_function" and n.name in forward_names and n.name not in views]
 
 
 def _allow_offload(lowered: Lowered, split: JointSplit, costs: CostTable, min_bytes: int) -> Lowered:

@@ -5,7 +5,7 @@
     model2 = fxmem.optimize(model, plan=plan)      # or fxmem.optimize(model, budget_gb=8.0)
 """
 from fxmem.capture import capture
-from fxmem.cost import DeviceSpec
+from fxmem.cost import DeviceSpec, HostLink
 from fxmem.errors import FxmemError, InfeasibleBudgetError, PlanMismatchError, TraceError
 from fxmem.plan import Plan
 from fxmem.runtime import OptimizedModule, optimize, plan
@@ -16,7 +16,7 @@ from fxmem.check import check_plan
 __version__ = "0.1.0"
 
 __all__ = [
-    "plan", "optimize", "capture", "Plan", "DeviceSpec", "OptimizedModule",
+    "plan", "optimize", "capture", "Plan", "DeviceSpec", "HostLink", "OptimizedModule",
     "FxmemError", "InfeasibleBudgetError", "TraceError", "PlanMismatchError", "__version__",
     "estimate", "Estimate", "max_batch_size", "check_plan",
 ]

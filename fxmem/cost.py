@@ -8,7 +8,7 @@ Returns a frozen `CostTable`; writes `meta["fxmem"]["cost"]` on each node.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Mapping
 
@@ -21,8 +21,39 @@ from fxmem.memory import storage_bytes, storage_key, tensors_of
 
 
 @dataclass(frozen=True)
+class HostLink:
+    """The device's link to host memory: sustained bytes/s in each direction (one copy stream per
+    direction; device->host and host->device run at once) and the fixed cost of one copy."""
+
+    name: str
+    bytes_per_s: float
+    latency_s: float = 10e-6
+
+    def seconds(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / self.bytes_per_s
+
+    @classmethod
+    def from_name(cls, name: str) -> "HostLink":
+        try:
+            return HOST_LINKS[name.lower()]
+        except KeyError:
+            raise KeyError(f"unknown host link {name!r}; presets: {', '.join(sorted(HOST_LINKS))}") from None
+
+
+GB = 10**9
+# Sustained pinned-memory copy rates per direction, about 80% of the link's peak.
+HOST_LINKS: Mapping[str, HostLink] = MappingProxyType({
+    "pcie4": HostLink("pcie4", 25 * GB),        # PCIe Gen4 x16: 32 GB/s peak per direction
+    "pcie5": HostLink("pcie5", 50 * GB),        # PCIe Gen5 x16: 64 GB/s peak per direction
+    "nvlink-c2c": HostLink("nvlink-c2c", 360 * GB, 5e-6),  # Grace Hopper NVLink-C2C: 450 GB/s per direction
+    "memcpy": HostLink("memcpy", 10 * GB, 2e-6),  # a CPU "device": host copies within one memory
+})
+
+
+@dataclass(frozen=True)
 class DeviceSpec:
-    """What a device can do: matmul FLOP/s (16-bit and 32-bit), memory bytes/s, per-op overhead."""
+    """What a device can do: matmul FLOP/s (16-bit and 32-bit), memory bytes/s, per-op overhead,
+    and its link to host memory (for offloading saved values)."""
 
     name: str
     flops_per_s: float
@@ -30,6 +61,11 @@ class DeviceSpec:
     bytes_per_s: float
     op_overhead_s: float
     memory_bytes: int | None = None
+    host_link: HostLink | None = None
+
+    def with_link(self, link: "HostLink | str") -> "DeviceSpec":
+        """This device with another host link (a `HostLink` or a preset name such as "nvlink-c2c")."""
+        return replace(self, host_link=HostLink.from_name(link) if isinstance(link, str) else link)
 
     @classmethod
     def from_name(cls, name: str) -> "DeviceSpec":
@@ -45,16 +81,17 @@ class DeviceSpec:
         return self.op_overhead_s + max(flops / self.flop_rate(dtype), bytes_moved / self.bytes_per_s)
 
 
-GB = 10**9
 DEVICE_PRESETS: Mapping[str, DeviceSpec] = MappingProxyType({
     # A 2-core laptop/CI-class CPU; per-op dispatch overhead dominates small ops.
-    "cpu": DeviceSpec("cpu", 1.0e11, 1.0e11, 15 * GB, 8e-6),
-    # Dense tensor-core peaks (no sparsity) and HBM bandwidth from the vendors' data sheets.
-    "a100": DeviceSpec("a100", 312e12, 156e12, 2039 * GB, 5e-6, 80 * 2**30),
-    "h100": DeviceSpec("h100", 989e12, 494e12, 3350 * GB, 4e-6, 80 * 2**30),
-    "h200": DeviceSpec("h200", 989e12, 494e12, 4800 * GB, 4e-6, 141 * 2**30),
-    "l4": DeviceSpec("l4", 121e12, 60e12, 300 * GB, 5e-6, 24 * 2**30),
-    "rtx4090": DeviceSpec("rtx4090", 165e12, 82e12, 1008 * GB, 5e-6, 24 * 2**30),
+    "cpu": DeviceSpec("cpu", 1.0e11, 1.0e11, 15 * GB, 8e-6, None, HOST_LINKS["memcpy"]),
+    # Dense tensor-core peaks (no sparsity) and HBM bandwidth from the vendors' data sheets;
+    # host links as the SXM/PCIe boards ship (H100/H200 SXM: PCIe Gen5; GH200 is h100 + nvlink-c2c).
+    "a100": DeviceSpec("a100", 312e12, 156e12, 2039 * GB, 5e-6, 80 * 2**30, HOST_LINKS["pcie4"]),
+    "h100": DeviceSpec("h100", 989e12, 494e12, 3350 * GB, 4e-6, 80 * 2**30, HOST_LINKS["pcie5"]),
+    "h200": DeviceSpec("h200", 989e12, 494e12, 4800 * GB, 4e-6, 141 * 2**30, HOST_LINKS["pcie5"]),
+    "gh200": DeviceSpec("gh200", 989e12, 494e12, 4000 * GB, 4e-6, 96 * 2**30, HOST_LINKS["nvlink-c2c"]),
+    "l4": DeviceSpec("l4", 121e12, 60e12, 300 * GB, 5e-6, 24 * 2**30, HOST_LINKS["pcie4"]),
+    "rtx4090": DeviceSpec("rtx4090", 165e12, 82e12, 1008 * GB, 5e-6, 24 * 2**30, HOST_LINKS["pcie4"]),
 })
 
 

@@ -3,7 +3,8 @@
 Reads `meta["val"]` (FakeTensors) of fx nodes; counts unique storages (views share their base's),
 allocates at the producing node and frees after the last use, as fx-generated code with boxed
 inputs does. Parameters, buffers and inputs are alive throughout; model outputs and gradients
-are held until the step ends. Writes nothing.
+are held until the step ends. Nodes marked `meta["fxmem"]["host"]` (offloaded copies) hold no
+device memory. Writes nothing.
 """
 from __future__ import annotations
 
@@ -26,6 +27,11 @@ def storage_key(t: torch.Tensor) -> Hashable:
 
 def storage_bytes(t: torch.Tensor) -> int:
     return int(t.untyped_storage().nbytes())
+
+
+def on_host(node: torch.fx.Node) -> bool:
+    """True for values an offload moved to host memory (`meta["fxmem"]["host"]`): not device bytes."""
+    return bool(node.meta.get("fxmem", {}).get("host"))
 
 
 def storages_of(node: torch.fx.Node) -> dict[Hashable, int]:
@@ -89,7 +95,7 @@ class Walker:
             if key not in keep:
                 dying.setdefault(when, []).append(key)
         for i, node in enumerate(nodes):
-            if node.op in ("call_function", "placeholder"):
+            if node.op in ("call_function", "placeholder") and not on_host(node):
                 self.allocate(storages[i])
             if node.op == "call_function":
                 self.record(node.name, phase)

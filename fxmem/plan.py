@@ -45,9 +45,27 @@ class Plan:
     nodes: tuple[dict[str, Any], ...] = ()
     fxmem_version: str = FXMEM_VERSION
     schema_version: int = SCHEMA_VERSION
+    offload: tuple[str, ...] = ()  # saved values copied to host memory and back
+    offloaded_bytes: int = 0
+    exposed_transfer_s: float = 0.0  # part of predicted_step_s spent waiting on the host link
+    host_link: str = ""
+    devices: tuple[dict[str, Any], ...] = ()  # per device: modules, parameter bytes, peak, seconds
     # Simulated live bytes over the step, {"eager": MemoryTimeline, "plan": MemoryTimeline}, for
     # pictures; kept in memory only (not written to JSON, not compared).
     timelines: Any = field(default=None, compare=False, repr=False)
+
+    def device_of(self, module_path: str) -> str | None:
+        """The device a module (dotted path, "" for the root) runs on under a multi-device plan;
+        None for a single-device plan. A module not named in the plan lives where its parent does."""
+        if not self.devices:
+            return None
+        best, depth = self.devices[0]["device"], -1
+        for entry in self.devices:
+            for prefix in entry.get("modules", ()):
+                inside = prefix == "" or module_path == prefix or module_path.startswith(prefix + ".")
+                if inside and prefix.count(".") + (prefix != "") > depth:
+                    best, depth = entry["device"], prefix.count(".") + (prefix != "")
+        return best
 
     @property
     def extra_flops_pct(self) -> float:
@@ -91,7 +109,7 @@ class Plan:
         unknown = set(data) - names
         if unknown:
             raise PlanMismatchError(f"{source} has fields this fxmem does not know: {sorted(unknown)}")
-        for key in ("recompute", "saved", "nodes"):
+        for key in ("recompute", "saved", "nodes", "offload", "devices"):
             data[key] = tuple(data.get(key, ()))
         return cls(**data)
 

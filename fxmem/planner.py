@@ -2,7 +2,8 @@
 
 Reads the joint graph AOTAutograd traces (its `meta["val"]`), costs it, builds the MemoryProblem,
 solves it, and checks each candidate decision by simulating the forward and backward graphs it
-produces; tightens the solver's budget until the simulated peak fits. Applying a given Plan instead
+produces; tightens the solver's budget until the simulated peak fits. With offload allowed it plans
+recompute-only too and keeps the faster of the two plans that fit. Applying a given Plan instead
 checks its fingerprint first. Writes `meta["fxmem"]` on joint nodes; keeps the Plan on `self.plan`.
 """
 from __future__ import annotations
@@ -15,14 +16,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from fxmem.cost import DEVICE_PRESETS, CostTable, DeviceSpec, estimate
+from fxmem.cost import DEVICE_PRESETS, HOST_LINKS, CostTable, DeviceSpec, estimate
 from fxmem.errors import InfeasibleBudgetError, fmt_bytes
 from fxmem.memory import MemoryTimeline, simulate_step, storages_of
 from fxmem.plan import Plan, graph_fingerprint
-from fxmem.problem import eager_decision, saved_set
+from fxmem.problem import enable_offload, eager_decision, offload_cost, saved_set
 from fxmem.schedule import JointSplit, Lowered, build_problem, split_joint
 from fxmem.solve import Solution, make_solution, min_peak, solve
 from fxmem.passes.dropout import expose_dropout
+from fxmem.passes.offload import offload as offload_pass, tag_offload
 from fxmem.passes.recompute import partition, tag_decisions
 from fxmem.passes.runner import run_passes
 
@@ -32,6 +34,8 @@ log = logging.getLogger("fxmem")
 # kernels allocate more than that (CPU mse_loss returns a scalar whose storage is the size of its
 # input), plus autograd's seed gradient for the loss. 0.5% or 64 KiB, whichever is larger.
 SAFETY_FRACTION, SAFETY_MIN_BYTES = 0.005, 64 * 1024
+# Values smaller than this are never offloaded: a copy's fixed cost outweighs the bytes it frees.
+OFFLOAD_MIN_BYTES = 1 << 20
 
 
 def safety_bytes(budget: int) -> int:
@@ -49,6 +53,8 @@ class PlanRequest:
     time_limit_s: float = 10.0
     model: str = ""
     signature: str = ""
+    offload: bool = False
+    offload_min_bytes: int = OFFLOAD_MIN_BYTES
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,7 @@ class _Candidate:
     fw: torch.fx.GraphModule
     bw: torch.fx.GraphModule
     timeline: MemoryTimeline
+    offloaded: frozenset[int] = frozenset()
 
 
 class Planner:
@@ -76,54 +83,108 @@ class Planner:
             plan.check_applies(model=self.request.model, signature=self.request.signature,
                                fingerprint=fingerprint, torch_version=torch.__version__)
             self.plan = plan
-            return self._partition(joint, plan.saved, plan.recompute)
+            offloaded = getattr(plan, "offload", ())
+            if offloaded:
+                device = _device_named(plan.device, self.request.device)
+                if getattr(plan, "host_link", "") in HOST_LINKS:  # the link the plan was made for
+                    device = device.with_link(plan.host_link)
+                self._price_copies(estimate(joint, device))
+            return self._partition(joint, plan.saved, plan.recompute, offloaded)
         self.plan, fw, bw = self._make_plan(joint, fingerprint)
         return fw, bw
 
-    def _partition(self, joint, saved, recomputed):
+    def _partition(self, joint, saved, recomputed, offloaded=()):
         run_passes(joint, [tag_decisions], saved, recomputed)
-        return partition(joint, saved, num_fwd_outputs=self.num_fwd_outputs)
+        if offloaded:
+            tag_offload(joint, offloaded)
+        fw, bw = partition(joint, saved, num_fwd_outputs=self.num_fwd_outputs)
+        return self._offload(fw, bw, offloaded)
 
-    def _candidate(self, joint, lowered: Lowered, recompute: frozenset[int]) -> _Candidate:
+    def _offload(self, fw, bw, offloaded):
+        if not offloaded:
+            return fw, bw
+        seconds, device, _ = self._copy_pricing
+        if device.host_link is None:
+            raise ValueError(f"device {device.name} has no host link to offload over; "
+                             "give it one with DeviceSpec.with_link(...)")
+        return offload_pass(fw, bw, offloaded, seconds, device.host_link.seconds)
+
+    def _price_copies(self, costs: CostTable) -> None:
+        """Keep what the offload pass needs (node seconds, device) as plain, picklable values:
+        Inductor pickles its partitioner, and so this object."""
+        self._copy_pricing = ({name: c.seconds for name, c in costs.nodes.items()}, costs.device,
+                              frozenset(name for name, c in costs.nodes.items() if c.is_view))
+
+    def _candidate(self, joint, lowered: Lowered, recompute: frozenset[int],
+                   offloaded: frozenset[int] = frozenset()) -> _Candidate:
         names = _saved_names(lowered, recompute)
         fw, bw = partition(joint, names, num_fwd_outputs=self.num_fwd_outputs)
-        return _Candidate(recompute, fw, bw, simulate_step(fw, bw, self.num_fwd_outputs))
+        fw, bw = self._offload(fw, bw, [lowered.nodes[i].name for i in sorted(offloaded)])
+        return _Candidate(recompute, fw, bw, simulate_step(fw, bw, self.num_fwd_outputs), frozenset(offloaded))
 
     def _make_plan(self, joint: torch.fx.GraphModule, fingerprint: str):
         request = self.request
         budget = request.budget_bytes
         split = split_joint(joint, self.num_fwd_outputs)
         costs = estimate(joint, request.device, backward=set(split.backward))
+        self._price_copies(costs)
         lowered = build_problem(joint, split, costs, budget)
+        if request.offload:
+            lowered = _allow_offload(lowered, split, costs, request.offload_min_bytes)
         log.info("joint graph: %d forward and %d backward ops, %d values backward may need",
                  len(split.forward), len(split.backward), lowered.problem.num_values)
         eager = self._candidate(joint, lowered, eager_decision(lowered.problem))
         start = time.perf_counter()
         chosen, solution, min_budget = eager, None, None
         if eager.timeline.peak + safety_bytes(budget) > budget:
-            chosen, solution, min_budget = self._fit(joint, lowered, split, budget)
+            chosen, solution, min_budget = self._fit_both(joint, lowered, split, budget)
         solve_time = time.perf_counter() - start
         saved = [n.name for n in chosen.bw.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
-        forward_names = {n.name for n in split.forward}
-        recomputed = [n.name for n in chosen.bw.graph.nodes
-                      if n.op == "call_function" and n.name in forward_names and not costs[n.name].is_view]
-        fw, bw = self._partition(joint, saved, recomputed)
+        recomputed = _recomputed(chosen, split, self._copy_pricing[2])
+        offloaded = [lowered.nodes[i].name for i in sorted(chosen.offloaded)]
+        exposed_s = offload_cost(lowered.problem, chosen.offloaded) / 1e9
+        fw, bw = self._partition(joint, saved, recomputed, offloaded)
         plan = Plan(
             budget_bytes=int(budget), baseline_peak_bytes=eager.timeline.peak,
             predicted_peak_bytes=chosen.timeline.peak, min_budget_bytes=min_budget,
             extra_flops=sum(costs[n].flops for n in recomputed), total_flops=costs.total_flops(),
-            predicted_step_s=costs.total_seconds() + sum(costs[n].seconds for n in recomputed),
+            predicted_step_s=costs.total_seconds() + sum(costs[n].seconds for n in recomputed) + exposed_s,
             baseline_step_s=costs.total_seconds(), recompute=tuple(recomputed), saved=tuple(saved),
             solver=solution.solver if solution else "none",
             solver_status=solution.status if solution else "optimal",
             solver_gap=solution.gap if solution else 0.0, solve_time_s=solve_time,
             device=request.device.name, model=request.model, signature=request.signature,
             fingerprint=fingerprint, torch_version=torch.__version__,
-            breakdown=_breakdown(split), nodes=_node_rows(lowered, costs, set(saved), set(recomputed)),
+            breakdown=_breakdown(split), nodes=_node_rows(lowered, costs, set(saved), set(recomputed), set(offloaded)),
+            offload=tuple(offloaded), exposed_transfer_s=exposed_s,
+            offloaded_bytes=sum(lowered.problem.size[i] for i in chosen.offloaded),
+            host_link=request.device.host_link.name if request.offload and request.device.host_link else "",
             timelines={"eager": eager.timeline, "plan": chosen.timeline})
         return plan, fw, bw
 
-    def _fit(self, joint, lowered: Lowered, split: JointSplit, budget: int):
+    def _fit_both(self, joint, lowered: Lowered, split: JointSplit, budget: int):
+        """`_fit` with offload allowed and recompute-only; the faster plan that fits (recompute-only on ties)."""
+        problem = lowered.problem
+        if not any(problem.can_offload):
+            return self._fit(joint, lowered, split, budget)
+        plain = dataclasses.replace(lowered, problem=dataclasses.replace(problem, can_offload=()))
+        try:
+            best = self._fit(joint, plain, split, budget)
+        except InfeasibleBudgetError as error:
+            best, refusal = None, error
+        offloaded = self._fit(joint, lowered, split, budget, fallback=False)
+        if offloaded is not None:
+            def extra_s(fit) -> float:  # what the plan adds to the step, as predicted_step_s counts it
+                seconds, _, views = self._copy_pricing
+                return sum(seconds[n] for n in _recomputed(fit[0], split, views)) \
+                    + offload_cost(problem, fit[0].offloaded) / 1e9
+            if best is None or extra_s(offloaded) < extra_s(best):
+                best = offloaded
+        if best is None:
+            raise refusal
+        return best
+
+    def _fit(self, joint, lowered: Lowered, split: JointSplit, budget: int, fallback: bool = True):
         """Solve, simulate, and tighten the solver's budget by the overshoot until the graphs fit."""
         request, problem = self.request, lowered.problem
         margin = safety_bytes(budget)
@@ -136,7 +197,7 @@ class Planner:
             solution = solve(dataclasses.replace(problem, budget=target), request.solver, request.time_limit_s)
             if solution.status == "infeasible":
                 break
-            candidate = self._candidate(joint, lowered, solution.recompute)
+            candidate = self._candidate(joint, lowered, solution.recompute, solution.offloaded)
             log.info("%s: %s in %.1f s, simulated peak %s for budget %s", solution.solver, solution.status,
                      solution.solve_time_s, fmt_bytes(candidate.timeline.peak), fmt_bytes(budget))
             if candidate.timeline.peak <= budget:
@@ -145,6 +206,8 @@ class Planner:
             target -= candidate.timeline.peak - budget
         if best is not None:
             return best[0], best[1], None
+        if not fallback:
+            return None
         started = time.perf_counter()
         log.info("searching for the least feasible budget")
         _, decision = min_peak(problem, request.time_limit_s)
@@ -179,11 +242,40 @@ def _breakdown(split: JointSplit) -> dict[str, int]:
     return {"parameters, buffers and inputs": sum(static.values()), "gradients": sum(grads.values())}
 
 
-def _node_rows(lowered: Lowered, costs: CostTable, saved: set[str], recomputed: set[str]) -> tuple[dict, ...]:
+def _node_rows(lowered: Lowered, costs: CostTable, saved: set[str], recomputed: set[str],
+               offloaded: set[str] = frozenset()) -> tuple[dict, ...]:
     rows = []
     for i, node in enumerate(lowered.nodes):
         cost = costs[node.name]
         decision = "save" if node.name in saved else "recompute" if node.name in recomputed else "free"
+        decision = "offload" if node.name in offloaded else decision
         rows.append({"name": node.name, "op": cost.op, "module": cost.module, "bytes": lowered.problem.size[i] if lowered.problem.can_save[i] else 0,
                      "flops": cost.flops, "seconds": cost.seconds, "decision": decision})
     return tuple(rows)
+
+
+def _recomputed(candidate: _Candidate, split: JointSplit, views: set[str] | frozenset[str]) -> list[str]:
+    """Forward values the candidate's backward graph recomputes (`views` excluded: they are free)."""
+    forward_names = {n.name for n in split.forward}
+    return [n.name for n in candidate.bw.graph.nodes
+            if n.op == "call_function" and n.name in forward_names and n.name not in views]
+
+
+def _allow_offload(lowered: Lowered, split: JointSplit, costs: CostTable, min_bytes: int) -> Lowered:
+    """The problem with offload over the device's host link allowed (unchanged without a link)."""
+    link = costs.device.host_link
+    if link is None:
+        return lowered
+    steps = list(split.forward) + list(split.backward)
+    step_ns = [round(costs.nodes[n.name].seconds * 1e9) if n.name in costs.nodes else 0 for n in steps]
+    problem = lowered.problem
+    transfer_ns = [round(link.seconds(b) * 1e9) for b in problem.size]
+    overhead_ns = round(2 * costs.device.op_overhead_s * 1e9)
+    return dataclasses.replace(lowered, problem=enable_offload(problem, step_ns, transfer_ns, min_bytes, overhead_ns))
+
+
+def _device_named(name: str, default: DeviceSpec) -> DeviceSpec:
+    try:
+        return DeviceSpec.from_name(name)
+    except KeyError:
+        return default

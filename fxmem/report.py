@@ -1,4 +1,5 @@
-"""Plan tables: per module path (or per op) what is kept and recomputed, and a summary.
+"""Plan tables: per module path (or per op) what is kept, recomputed and offloaded, a summary,
+and for multi-device plans where each region runs.
 
 Reads a `Plan` (its `nodes` rows and figures); returns text made with tabulate. Writes nothing.
 """
@@ -25,6 +26,9 @@ def _group(rows: Iterable[dict[str, Any]], by: str) -> "OrderedDict[str, list[di
 def _decision(rows: list[dict[str, Any]]) -> str:
     heavy = [r for r in rows if r["bytes"] > 0]
     recomputed = sum(r["decision"] == "recompute" for r in heavy)
+    offloaded = sum(r["decision"] == "offload" for r in heavy)
+    if offloaded:
+        return f"offload {offloaded}/{len(heavy)}" + (f", recompute {recomputed}" if recomputed else "")
     if not heavy or recomputed == 0:
         return "keep"
     if recomputed == len(heavy):
@@ -35,7 +39,7 @@ def _decision(rows: list[dict[str, Any]]) -> str:
 def plan_rows(plan: Any, by: str = "module") -> list[list[Any]]:
     rows = []
     for key, group in _group(plan.nodes, by).items():
-        kept = sum(r["bytes"] for r in group if r["decision"] == "save")
+        kept = sum(r["bytes"] for r in group if r["decision"] in ("save", "offload"))
         recomputed = sum(r["bytes"] for r in group if r["decision"] == "recompute")
         flops = sum(r["flops"] for r in group if r["decision"] == "recompute")
         ops = sorted({r["op"] for r in group if r["op"] != "getitem"}) or ["getitem"]
@@ -62,9 +66,26 @@ def summary_rows(plan: Any) -> list[list[str]]:
         ["predicted step time", f"{plan.predicted_step_s * 1e3:,.2f} ms on {plan.device} "
                                 f"(eager {plan.baseline_step_s * 1e3:,.2f} ms, +{step_overhead:.1f}%)"],
         ["recomputed values", str(len(plan.recompute))],
+    ]
+    if getattr(plan, "offload", ()):
+        rows += [["offloaded to host", f"{len(plan.offload)} values, {fmt_bytes(plan.offloaded_bytes)} over "
+                                       f"{plan.host_link or 'the host link'}"],
+                 ["exposed transfer time", f"{plan.exposed_transfer_s * 1e3:,.3f} ms (copy waits and launches; in the step time)"]]
+    rows += [
         ["solver", f"{plan.solver}: {plan.solver_status}, gap {plan.solver_gap * 100:.2f}%, "
                    f"{plan.solve_time_s:.2f} s"],
     ]
+    return rows
+
+
+def device_rows(plan: Any) -> list[list[Any]]:
+    """Per device of a multi-device plan: its modules, parameters, predicted peak and time."""
+    rows = []
+    for entry in getattr(plan, "devices", ()):
+        units = entry["modules"]
+        label = (f"{units[0]} .. {units[-1]} ({len(units)})" if len(units) > 2 else ", ".join(units)) or "(none)"
+        rows.append([entry["device"], label, fmt_bytes(entry["parameter_bytes"]), fmt_bytes(entry["peak_bytes"]),
+                     fmt_bytes(entry["budget_bytes"]), f"{entry['seconds'] * 1e3:,.2f}"])
     return rows
 
 
@@ -75,4 +96,8 @@ def format_plan(plan: Any, by: str = "module") -> str:
     body = tabulate(plan_rows(plan, by), headers=headers, tablefmt="simple", floatfmt=".2f")
     summary = tabulate(summary_rows(plan), tablefmt="simple")
     title = f"fxmem plan for {plan.model} {plan.signature}"
+    if getattr(plan, "devices", ()):
+        placed = tabulate(device_rows(plan), headers=["device", "modules", "parameters", "predicted peak", "budget",
+                                                      "step ms"], tablefmt="simple")
+        return f"{title}\n\n{body}\n\n{placed}\n\n{summary}"
     return f"{title}\n\n{body}\n\n{summary}"

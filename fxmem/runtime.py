@@ -107,21 +107,27 @@ def budget_bytes(budget_gb: float | None) -> int | None:
     return int(budget_gb * GIB)
 
 
-def _request(model, args, kwargs, budget_gb, plan, device, solver, time_limit_s) -> PlanRequest:
+def _request(model, args, kwargs, budget_gb, plan, device, solver, time_limit_s, offload=False) -> PlanRequest:
     if isinstance(device, str):
         device = DeviceSpec.from_name(device)
+    if offload and device is not None and device.host_link is None:
+        raise ValueError(f"offload=True needs a host link on device {device.name}; "
+                         "use DeviceSpec.with_link('pcie4' | 'pcie5' | 'nvlink-c2c')")
     return PlanRequest(budget_bytes=budget_bytes(budget_gb), plan=plan, device=device or DEVICE_PRESETS["cpu"],
                        solver=solver, time_limit_s=time_limit_s, model=type(model).__qualname__,
-                       signature=signature_of(model, args, kwargs))
+                       signature=signature_of(model, args, kwargs), offload=bool(offload))
 
 
 def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: float | None = None, *,
          example_kwargs: dict[str, Any] | None = None, device: DeviceSpec | str | None = None,
-         solver: str = "cpsat", time_limit_s: float = 10.0) -> Plan:
+         solver: str = "cpsat", time_limit_s: float = 10.0, offload: bool = False,
+         target: DeviceSpec | str | None = None) -> Plan:
     """Plan a training step of `model` on `example_inputs` under `budget_gb` without running it
-    (fake tensors only). Without a budget the plan keeps everything (the eager step)."""
+    (fake tensors only). Without a budget the plan keeps everything (the eager step).
+    `target` (same as `device`): the device to plan for, which need not be present; with
+    `offload=True` saved values may also be copied to host memory over its host link."""
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
-    request = _request(model, args, kwargs, budget_gb, None, device, solver, time_limit_s)
+    request = _request(model, args, kwargs, budget_gb, None, target or device, solver, time_limit_s, offload)
     if request.budget_bytes is None:
         request.budget_bytes = 2**62
     if not any(p.requires_grad for _, p in _state(model)):
@@ -188,9 +194,16 @@ def _cache_key(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
 
 def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Plan | None = None,
              device: DeviceSpec | str | None = None, solver: str = "cpsat",
-             time_limit_s: float = 10.0) -> OptimizedModule:
+             time_limit_s: float = 10.0, offload: bool = False, target: DeviceSpec | str | None = None,
+             devices: Sequence[str] | None = None) -> OptimizedModule:
     """A module that trains like `model` with its step planned under `budget_gb` (planned lazily at the
-    first call, from the real inputs; re-planned per input signature), or running a given `plan`."""
+    first call, from the real inputs; re-planned per input signature), or running a given `plan`.
+    `offload=True` lets the planner copy saved values to host memory (see `plan`); `devices` places
+    contiguous regions of the model on several devices, `budget_gb` per device."""
+    if devices is not None:
+        from fxmem.placement import optimize_on_devices
+
+        return optimize_on_devices(model, devices, budget_gb=budget_gb, plan=plan, device=target or device)
     if (budget_gb is None) == (plan is None):
         raise ValueError("pass exactly one of budget_gb= (plan at the first call) or plan= (a Plan made earlier)")
     if plan is not None and not isinstance(plan, Plan):
@@ -198,7 +211,7 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
     budget_bytes(budget_gb)
 
     def make_request(args: tuple, kwargs: dict) -> PlanRequest:
-        request = _request(model, args, kwargs, budget_gb, plan, device, solver, time_limit_s)
+        request = _request(model, args, kwargs, budget_gb, plan, target or device, solver, time_limit_s, offload)
         if plan is not None:
             request.budget_bytes = plan.budget_bytes
         return request

@@ -60,7 +60,8 @@ def expose_dropout(gm: torch.fx.GraphModule) -> int:
 
 
 def fuse_forward_dropout(fw: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """In a forward graph, read each dropout product off its kernel's output instead."""
+    """In a forward graph, read each dropout product off its kernel's output instead (the node
+    keeps its name)."""
     graph, changed = fw.graph, False
     kernels = {n.name: n for n in graph.find_nodes(op="call_function", target=aten.native_dropout.default)}
     for node in list(graph.nodes):
@@ -68,15 +69,15 @@ def fuse_forward_dropout(fw: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if source not in kernels or node.target is not aten.mul.Tensor or not isinstance(node.args[1], float):
             continue
         kernel = kernels[source]
-        out = _part(graph, kernel, 0)
-        if out is None:
-            with graph.inserting_after(kernel):
-                out = graph.call_function(operator.getitem, (kernel, 0))
-            out.meta.update({k: v for k, v in node.meta.items() if k != "fxmem"})
-        # The kernel's output now stands for the product: the same storage backward receives.
+        # The product becomes the kernel's output, keeping its name (plans and later passes refer
+        # to it) and its storage (the one backward receives).
         kernel.meta["val"] = (node.meta["val"], *kernel.meta["val"][1:])
-        out.meta["val"] = node.meta["val"]
-        node.replace_all_uses_with(out)
+        node.target, node.args, node.kwargs = operator.getitem, (kernel, 0), {}
+        old = next((u for u in kernel.users if u is not node and u.target is operator.getitem and u.args[1] == 0),
+                   None)
+        if old is not None:
+            old.replace_all_uses_with(node)
+            graph.erase_node(old)
         changed = True
     if changed:
         graph.eliminate_dead_code()

@@ -249,3 +249,14 @@ def test_speed_2000_candidates():
     assert time.perf_counter() - start < 8.0
     assert exact.status in ("optimal", "feasible") and is_feasible(p, exact.recompute)
     assert exact.objective <= greedy.objective
+
+
+@pytest.mark.parametrize("solver", ["greedy", "cpsat"])
+def test_recompute_only_problems_never_offload(solver):
+    """Without `enable_offload` the problem has no offload fields and solutions offload nothing."""
+    p = chain(4)
+    assert p.can_offload == () and not any(p.offloadable(i) for i in range(p.num_values))
+    for budget in (p.budget, p.budget - 6):
+        got = solve(replace(p, budget=budget), solver, 2.0)
+        assert got.offloaded == frozenset()
+        assert got.objective == recompute_cost(p, got.recompute)

@@ -1,4 +1,5 @@
-"""Solvers for the keep-or-recompute problem: pick the recompute set R for a `MemoryProblem`.
+"""Solvers for the keep-or-recompute problem: pick the recompute set R for a `MemoryProblem`
+(and, when the problem allows offload, the set O of values copied to host and back).
 
 Reads a `fxmem.problem.MemoryProblem` and nothing else (no torch, no fx, no files);
 returns a `Solution` whose objective and peak are always recomputed from R with the
@@ -10,13 +11,15 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from fxmem.problem import MemoryProblem, is_valid, peak_bytes, recompute_cost
+from fxmem.problem import MemoryProblem, decision_cost, is_valid, peak_bytes, recompute_cost
 
 
 @dataclass(frozen=True)
 class Solution:
     """A decision and what it costs. `status` is "optimal", "feasible" or "infeasible"
-    ("infeasible": no valid R with peak <= budget was found; R is then the solver's best try)."""
+    ("infeasible": no valid R with peak <= budget was found; R is then the solver's best try).
+    `offloaded`: values copied to host and back instead (empty unless the problem allows offload);
+    `objective` is then recompute time plus the time offloading adds."""
 
     recompute: frozenset[int]
     status: str
@@ -26,21 +29,22 @@ class Solution:
     gap: float
     solve_time_s: float
     solver: str
+    offloaded: frozenset[int] = frozenset()
 
 
 def make_solution(problem: MemoryProblem, recompute: Iterable[int], status: str, bound: int,
-                  started: float, solver: str) -> Solution:
-    """Package R, measuring objective and peak with the problem helpers.
+                  started: float, solver: str, offload: Iterable[int] = ()) -> Solution:
+    """Package R (and the offloaded set), measuring objective and peak with the problem helpers.
     `started` is a `time.perf_counter()` reading taken when the solver began."""
-    rec = frozenset(recompute)
-    objective = recompute_cost(problem, rec)
+    rec, off = frozenset(recompute), frozenset(offload)
+    objective = decision_cost(problem, rec, off)
     if status == "optimal":
         bound = objective
     bound = max(0, min(int(bound), objective)) if status != "infeasible" else 0
     gap = 0.0 if status == "optimal" else (objective - bound) / max(objective, 1)
     return Solution(recompute=rec, status=status, objective=objective,
-                    peak=peak_bytes(problem, rec), bound=bound, gap=gap,
-                    solve_time_s=time.perf_counter() - started, solver=solver)
+                    peak=peak_bytes(problem, rec, off), bound=bound, gap=gap,
+                    solve_time_s=time.perf_counter() - started, solver=solver, offloaded=off)
 
 
 def solve(problem: MemoryProblem, solver: str = "cpsat", time_limit_s: float = 10.0) -> Solution:

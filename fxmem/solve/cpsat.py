@@ -1,9 +1,12 @@
-"""Exact keep-or-recompute solver on OR-Tools CP-SAT (the only module importing ortools).
+"""Exact keep / recompute / offload solver on OR-Tools CP-SAT (the only module importing ortools).
 
 Reads a `MemoryProblem`; writes nothing. Booleans r_i (recompute) and s_i (save); integers
 made_i (the step a recomputed value is made) and end_i (its last step alive), linked as in
 `fxmem.problem.lifetimes`; memory is a cumulative resource over optional intervals, with the
-decision-independent base bytes as fixed intervals. Determinism: fixed seed and interleaved
+decision-independent base bytes as fixed intervals. Offload (when the problem allows it): o_i
+replaces value i's saved interval by two, before its copy out ends and after its copy back
+starts, each copy as it would run alone on the link; a no-overlap constraint per direction keeps
+the copies apart, so they do run alone (`transfer_schedule` then agrees). Determinism: fixed seed and interleaved
 workers, so a fixed `num_workers` gives the same R on every run unless the time limit cuts in.
 """
 from __future__ import annotations
@@ -13,7 +16,8 @@ import time
 
 from ortools.sat.python import cp_model
 
-from fxmem.problem import NEVER, MemoryProblem, is_feasible, is_valid, lifetimes, peak_bytes, recompute_cost, saved_set
+from fxmem.problem import (NEVER, MemoryProblem, decision_cost, is_feasible, is_valid, lifetimes, peak_bytes,
+                           saved_set, transfer_schedule)
 from fxmem.solve import Solution, make_solution
 from fxmem.solve.greedy import solve_greedy
 
@@ -33,12 +37,14 @@ def _base_runs(base: tuple[int, ...]) -> list[tuple[int, int, int]]:
 class _Model:
     """Decision variables, validity, lifetimes, and the cumulative memory constraint."""
 
-    def __init__(self, problem: MemoryProblem, capacity: int | None) -> None:
+    def __init__(self, problem: MemoryProblem, capacity: int | None, offload: bool = True) -> None:
         p, m = problem, cp_model.CpModel()
         self.p, self.model = p, m
         n, never = p.num_values, p.num_steps  # `never`: a step after the last one
         self.r = [m.new_bool_var(f"r{i}") for i in range(n)]
         self.s = [m.new_bool_var(f"s{i}") for i in range(n)]
+        self.o = {i: m.new_bool_var(f"o{i}") for i in range(n) if offload and p.offloadable(i) and p.size[i]}
+        self.windows = {i: transfer_schedule(p, [i]) for i in self.o}
         self.made = [m.new_int_var(0, never, f"made{i}") for i in range(n)]
         self.end = [m.new_int_var(0, never, f"end{i}") for i in range(n)]
         made_if_recomputed = []
@@ -70,19 +76,41 @@ class _Model:
                 m.add_bool_or([self.s[j], self.r[j]]).only_enforce_if(r)
             for w in users[i]:
                 m.add(self.end[i] >= (self.end[w] if p.aliases[w] else self.made[w])).only_enforce_if(self.r[w])
+            if i in self.o:
+                m.add_implication(self.o[i], s)
+                for w in p.offload_blockers[i]:
+                    m.add_implication(self.o[i], ~self.r[w])
         self.capacity = m.new_int_var(0, max(p.base, default=0) + sum(p.size), "peak") if capacity is None else capacity
         self._memory()
 
     def _memory(self) -> None:
         p, m = self.p, self.model
         intervals, demands = [], []
+        copies_out, copies_in = [], []
         for i in range(p.num_values):
             if not p.size[i]:
                 continue
             if p.can_save[i]:
                 m.add(self.end[i] >= p.saved_from[i]).only_enforce_if(self.s[i])
                 size = m.new_int_var(0, p.num_steps, f"kept{i}")
-                intervals.append(m.new_optional_interval_var(p.saved_from[i], size, self.end[i] + 1, self.s[i], f"S{i}"))
+                kept = self.s[i]
+                if i in self.o:
+                    kept = m.new_bool_var(f"k{i}")
+                    m.add_bool_and([self.s[i], ~self.o[i]]).only_enforce_if(kept)
+                    m.add_bool_or([~self.s[i], self.o[i], kept])
+                    out_last, in_first = self.windows[i].out_last[i], self.windows[i].in_first[i]
+                    ready = p.offload_ready[i]
+                    m.add(self.end[i] >= in_first).only_enforce_if(self.o[i])
+                    gone = m.new_optional_fixed_size_interval_var(p.saved_from[i], out_last + 1 - p.saved_from[i],
+                                                                  self.o[i], f"O{i}")
+                    back_size = m.new_int_var(0, p.num_steps, f"back{i}")
+                    back = m.new_optional_interval_var(in_first, back_size, self.end[i] + 1, self.o[i], f"I{i}")
+                    intervals += [gone, back]
+                    demands += [p.size[i], p.size[i]]
+                    copies_out.append(gone)
+                    copies_in.append(m.new_optional_fixed_size_interval_var(in_first, ready - in_first,
+                                                                            self.o[i], f"C{i}"))
+                intervals.append(m.new_optional_interval_var(p.saved_from[i], size, self.end[i] + 1, kept, f"S{i}"))
                 demands.append(p.size[i])
             if p.can_recompute[i]:
                 size = m.new_int_var(0, p.num_steps, f"held{i}")
@@ -93,9 +121,14 @@ class _Model:
                 intervals.append(m.new_fixed_size_interval_var(first, stop - first, f"B{first}"))
                 demands.append(nbytes)
         m.add_cumulative(intervals, demands, self.capacity)
+        if copies_out:
+            m.add_no_overlap(copies_out)
+            m.add_no_overlap(copies_in)
 
-    def hint(self, rec: frozenset[int]) -> None:
+    def hint(self, rec: frozenset[int], off: frozenset[int] = frozenset()) -> None:
         saved, spans = saved_set(self.p, rec), lifetimes(self.p, rec)
+        for i, o in self.o.items():
+            self.model.add_hint(o, i in off)
         for i in range(self.p.num_values):
             self.model.add_hint(self.r[i], i in rec)
             self.model.add_hint(self.s[i], i in saved)
@@ -115,8 +148,12 @@ class _Model:
     def decision(self, solver: cp_model.CpSolver) -> frozenset[int]:
         return frozenset(i for i, r in enumerate(self.r) if solver.boolean_value(r))
 
+    def offloaded(self, solver: cp_model.CpSolver) -> frozenset[int]:
+        return frozenset(i for i, o in self.o.items() if solver.boolean_value(o))
+
     def cost(self):
-        return sum(c * r for c, r in zip(self.p.cost, self.r) if c)
+        overhead = self.p.offload_overhead_ns
+        return sum(c * r for c, r in zip(self.p.cost, self.r) if c) + sum(overhead * o for o in self.o.values())
 
 
 def solve_cpsat(problem: MemoryProblem, time_limit_s: float = 10.0, num_workers: int = 2,
@@ -125,50 +162,53 @@ def solve_cpsat(problem: MemoryProblem, time_limit_s: float = 10.0, num_workers:
     started = time.perf_counter()
     greedy = solve_greedy(problem, time_limit_s / 2)
     if problem.base and max(problem.base) > problem.budget:
-        return make_solution(problem, greedy.recompute, "infeasible", 0, started, "cpsat")
+        return make_solution(problem, greedy.recompute, "infeasible", 0, started, "cpsat", greedy.offloaded)
     model = _Model(problem, problem.budget)
     model.model.minimize(model.cost())
     if greedy.status != "infeasible":
-        model.hint(greedy.recompute)
+        model.hint(greedy.recompute, greedy.offloaded)
     code, solver = model.run(time_limit_s - (time.perf_counter() - started), num_workers, deterministic)
     status = _STATUS.get(code)
     if status is None or status == "infeasible":
         return make_solution(problem, greedy.recompute, greedy.status if status is None else "infeasible",
-                             0, started, "cpsat")
-    rec = model.decision(solver)
+                             0, started, "cpsat", greedy.offloaded)
+    rec, off = model.decision(solver), model.offloaded(solver)
     bound = math.ceil(solver.best_objective_bound - 1e-6)
     left = time_limit_s - (time.perf_counter() - started)
     if status == "optimal" and left > 0.05:
-        rec = _lowest_peak(problem, rec, left, num_workers, deterministic)
-    if not is_feasible(problem, rec):
-        raise AssertionError(f"CP-SAT returned an infeasible decision: {sorted(rec)}")
-    if greedy.status != "infeasible" and greedy.objective < recompute_cost(problem, rec):
-        rec, status = greedy.recompute, "feasible"
-    return make_solution(problem, rec, status, bound, started, "cpsat")
+        rec, off = _lowest_peak(problem, rec, off, left, num_workers, deterministic)
+    if not is_feasible(problem, rec, off):
+        raise AssertionError(f"CP-SAT returned an infeasible decision: {sorted(rec)}, offload {sorted(off)}")
+    if greedy.status != "infeasible" and greedy.objective < decision_cost(problem, rec, off):
+        rec, off, status = greedy.recompute, greedy.offloaded, "feasible"
+    return make_solution(problem, rec, status, bound, started, "cpsat", off)
 
 
-def _lowest_peak(problem: MemoryProblem, rec: frozenset[int], time_limit_s: float, num_workers: int,
-                 deterministic: bool) -> frozenset[int]:
-    """Among decisions as cheap as `rec`, one with the lowest peak, so the peak falls as the budget
-    does. Returns `rec` if nothing better is found in time."""
+def _lowest_peak(problem: MemoryProblem, rec: frozenset[int], off: frozenset[int], time_limit_s: float,
+                 num_workers: int, deterministic: bool) -> tuple[frozenset[int], frozenset[int]]:
+    """Among decisions as cheap as `rec` (and `off`), one with the lowest peak, so the peak falls as the
+    budget does. Returns the decision given if nothing better is found in time."""
     model = _Model(problem, None)
-    model.model.add(model.cost() <= recompute_cost(problem, rec))
-    model.model.add(model.capacity <= peak_bytes(problem, rec))
+    peak = peak_bytes(problem, rec, off)
+    model.model.add(model.cost() <= decision_cost(problem, rec, off))
+    model.model.add(model.capacity <= peak)
     model.model.minimize(model.capacity)
-    model.hint(rec)
+    model.hint(rec, off)
     code, solver = model.run(time_limit_s, num_workers, deterministic)
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return rec
-    better = model.decision(solver)
-    return better if is_valid(problem, better) and peak_bytes(problem, better) < peak_bytes(problem, rec) else rec
+        return rec, off
+    better, better_off = model.decision(solver), model.offloaded(solver)
+    if is_valid(problem, better, better_off) and peak_bytes(problem, better, better_off) < peak:
+        return better, better_off
+    return rec, off
 
 
 def cpsat_min_peak(problem: MemoryProblem, time_limit_s: float = 10.0, num_workers: int = 2,
                    hint: frozenset[int] | None = None,
                    deterministic: bool = True) -> tuple[int, frozenset[int]] | None:
     """Smallest peak over valid decisions (budget and cost ignored) and a decision reaching it;
-    None when CP-SAT finds no valid decision within the time limit."""
-    model = _Model(problem, None)
+    None when CP-SAT finds no valid decision within the time limit. Recompute only (no offload)."""
+    model = _Model(problem, None, offload=False)
     model.model.minimize(model.capacity)
     if hint is not None and is_valid(problem, hint):
         model.hint(hint)

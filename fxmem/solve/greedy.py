@@ -1,17 +1,21 @@
-"""Greedy keep-or-recompute heuristic: fast, no optimality claim.
+"""Greedy keep / recompute / offload heuristic: fast, no optimality claim.
 
 Reads a `MemoryProblem`; writes nothing. Starts from eager autograd's decision and, while the
 peak is over budget, recomputes the value alive at the peak step that lowers it most per unit of
 cost; then drops recomputations the budget no longer needs. Moves are priced incrementally: a
 change re-derives lifetimes only upstream of the values it touches (`fxmem.problem.lifetimes`
 rules) and updates a segment tree over the memory profile. Seeds CP-SAT and `min_peak`.
+When the problem allows offload, a second run first offloads the largest values alive at the peak
+(copies that hide cost almost nothing), then recomputes; the cheaper of the two runs is returned.
 """
 from __future__ import annotations
 
 import heapq
 import time
+from dataclasses import replace
 
-from fxmem.problem import NEVER, MemoryProblem, eager_decision, is_valid, lifetimes, memory_profile, recompute_cost
+from fxmem.problem import (NEVER, MemoryProblem, decision_cost, eager_decision, is_valid, lifetimes, memory_profile,
+                           offload_cost, peak_bytes, recompute_cost, saved_set, transfer_schedule)
 from fxmem.solve import Solution, make_solution
 from fxmem.solve.profile_tree import ProfileTree
 
@@ -22,14 +26,14 @@ CHAIN_DEPTH = 4  # a move may pull up to this many producers along with the valu
 class _State:
     """A decision with its lifetimes and memory profile, changed in place and undone on demand."""
 
-    def __init__(self, problem: MemoryProblem, rec: frozenset[int]):
+    def __init__(self, problem: MemoryProblem, rec: frozenset[int], offload: frozenset[int] = frozenset()):
         self.p, self.users = problem, problem.consumers()
         self.rec = set(rec)
         self.rec_users = [sum(w in self.rec for w in self.users[v]) for v in range(problem.num_values)]
         self.span = dict(lifetimes(problem, rec))
         self.made = {v: self.span[v][0] for v in self.rec if v in self.span}
         self.end = {v: last for v, (_, last) in self.span.items()}
-        self.tree = ProfileTree(memory_profile(problem, rec))
+        self.tree = ProfileTree(memory_profile(problem, rec, offload))
 
     def status(self, v: int) -> str:
         if v in self.rec:
@@ -217,13 +221,14 @@ def _prune(problem: MemoryProblem, state: _State, budget: int, deadline: float) 
             state.undo(log)
 
 
-def solve_greedy(problem: MemoryProblem, time_limit_s: float = 10.0) -> Solution:
-    started = time.perf_counter()
-    deadline = started + time_limit_s
-    state = _State(problem, eager_decision(problem))
+def _recompute_run(problem: MemoryProblem, start: frozenset[int], offload: frozenset[int],
+                   deadline: float) -> tuple[frozenset[int], bool]:
+    """Recompute descent (cheapest first, then by bytes alone) from `start` with `offload` fixed;
+    returns R and whether it fits."""
+    state = _State(problem, start, offload)
     _descend(problem, state, problem.budget, deadline, weigh_cost=True)
     if state.tree.top() > problem.budget:  # cheapest-first got stuck: descend on bytes alone
-        retry = _State(problem, eager_decision(problem))
+        retry = _State(problem, start, offload)
         _descend(problem, retry, problem.budget, deadline, weigh_cost=False)
         state = min(state, retry, key=lambda s: s.tree.top())
     rec = frozenset(state.rec)
@@ -231,9 +236,67 @@ def solve_greedy(problem: MemoryProblem, time_limit_s: float = 10.0) -> Solution
     if feasible:
         _prune(problem, state, problem.budget, deadline)
         rec = frozenset(state.rec)
-    cost = recompute_cost(problem, rec)
+    return rec, feasible
+
+
+def _offload_descent(problem: MemoryProblem, rec: frozenset[int], deadline: float) -> frozenset[int]:
+    """Offload values alive at the peak, largest first, while that lowers the peak for little time."""
+    spans = lifetimes(problem, rec)
+    saved = saved_set(problem, rec)
+    options = [v for v in saved if problem.offloadable(v) and not set(problem.offload_blockers[v]) & rec]
+    alone = {v: transfer_schedule(problem, [v]) for v in options}
+    off: frozenset[int] = frozenset()
+    profile = memory_profile(problem, rec)
+    while max(profile) > problem.budget and time.perf_counter() < deadline:
+        peak = max(profile)
+        step = profile.index(peak)
+        tries = sorted((v for v in options if v not in off and spans[v][0] <= step <= spans[v][1]
+                        and alone[v].out_last[v] < step < alone[v].in_first[v]),
+                       key=lambda v: (-problem.size[v], v))[:MOVES_PER_ROUND]
+        cost, best = offload_cost(problem, off), None
+        for v in tries:
+            trial = memory_profile(problem, rec, off | {v})
+            gain = peak - max(trial)
+            if gain > 0:
+                score = (gain / (offload_cost(problem, off | {v}) - cost + 1), -v)
+                if best is None or score > best[0]:
+                    best = (score, v, trial)
+        if best is None:
+            break
+        off, profile = off | {best[1]}, best[2]
+    return off
+
+
+def _with_offload(problem: MemoryProblem, deadline: float) -> tuple[frozenset[int], frozenset[int], bool]:
+    """Offload first, then recompute what still does not fit; then drop offloads not needed."""
+    start = eager_decision(problem)
+    off = _offload_descent(problem, start, deadline)
+    blocked = off | {w for v in off for w in problem.offload_blockers[v]}
+    fixed = replace(problem, can_recompute=tuple(c and i not in blocked for i, c in enumerate(problem.can_recompute)))
+    rec, feasible = _recompute_run(fixed, start, off, deadline)
+    if feasible:
+        for v in sorted(off, key=lambda v: (problem.size[v], v)):
+            if time.perf_counter() > deadline:
+                break
+            if peak_bytes(problem, rec, off - {v}) <= problem.budget:
+                off = off - {v}
+    return rec, off, feasible and is_valid(problem, rec, off)
+
+
+def solve_greedy(problem: MemoryProblem, time_limit_s: float = 10.0) -> Solution:
+    started = time.perf_counter()
+    deadline = started + time_limit_s
+    offloading = any(problem.can_offload)
+    rec, feasible = _recompute_run(problem, eager_decision(problem), frozenset(),
+                                   started + time_limit_s / 2 if offloading else deadline)
+    off: frozenset[int] = frozenset()
+    if offloading:
+        rec2, off2, feasible2 = _with_offload(problem, deadline)
+        if (feasible2, -decision_cost(problem, rec2, off2)) > (feasible, -decision_cost(problem, rec)):
+            rec, off, feasible = rec2, off2, feasible2
+    cost = decision_cost(problem, rec, off)
     status = "infeasible" if not feasible else "optimal" if cost == 0 else "feasible"
-    return make_solution(problem, rec, status, 0, started, "greedy")
+    return make_solution(problem, rec, status, 0, started, "greedy", off)
 
 
 def greedy_min_peak(problem: MemoryProblem, time_limit_s: float = 10.0) -> frozenset[int]:

@@ -1,0 +1,162 @@
+"""Multi-device placement: `fxmem.optimize(model, budget_gb=..., devices=[...])`.
+
+Reads the model's keep-all plan (per forward value: module path, seconds, saved bytes) and its
+parameters; cuts the model into units (top-level modules; the items of a top-level ModuleList or
+Sequential), places contiguous runs of units on the devices with `fxmem.solve.placement`, and runs
+the captured graph with `passes/devices.py` moves. Per unit, memory is its parameters and their
+gradients plus the activations it saves for backward (the keep-all step); time is three times its
+forward estimate (forward plus a backward of about twice the work). The step runs the devices one
+after another (model parallel in one process, no pipelining). Writes nothing to disk.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+
+from fxmem.capture import capture, flat_graph_inputs, structure_outputs
+from fxmem.cost import module_path
+from fxmem.errors import GIB, InfeasibleBudgetError
+from fxmem.plan import Plan
+from fxmem.solve.placement import PlacementError, place_regions
+from fxmem.passes.devices import place
+
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
+
+
+def unit_of(model: torch.nn.Module, path: str) -> str:
+    """The placement unit a module path belongs to: its top-level module, or the item of a
+    top-level container ("blocks.3" for "blocks.3.attn.c_attn"); "" for the root."""
+    parts = [p for p in path.split(".") if p]
+    if not parts:
+        return ""
+    top = getattr(model, parts[0], None)
+    if isinstance(top, _CONTAINERS) and len(parts) > 1:
+        return f"{parts[0]}.{parts[1]}"
+    return parts[0]
+
+
+def _units(model: torch.nn.Module, rows: Sequence[dict[str, Any]]) -> tuple[list[str], dict[str, list[dict]]]:
+    """Units in forward order; rows of root-level ops join the unit running before them."""
+    order: list[str] = []
+    members: dict[str, list[dict]] = {}
+    current = None
+    for row in rows:
+        unit = unit_of(model, row.get("module", ""))
+        if unit and unit not in members:  # a unit seen before (tied weights) does not start a new run
+            order.append(unit)
+            members[unit] = []
+            current = unit
+        members.setdefault("" if current is None else current, []).append(row)
+    if not order:
+        order, members = [""], {"": list(rows)}
+    elif "" in members:
+        members[order[0]] = members.pop("") + members[order[0]]
+    return order, members
+
+
+def _parameter_bytes(model: torch.nn.Module, unit: str) -> int:
+    owner = model.get_submodule(unit) if unit else model
+    seen = {id(p): p.numel() * p.element_size() for p in owner.parameters()}
+    return sum(seen.values())
+
+
+def place_plan(model: torch.nn.Module, plan: Plan, devices: Sequence[str], budgets: Sequence[int]) -> Plan:
+    """`plan` (a keep-all plan of the model) with `devices` entries: which units run where."""
+    order, members = _units(model, plan.nodes)
+    params = [_parameter_bytes(model, u) for u in order]
+    saved = [sum(r["bytes"] for r in members[u] if r["decision"] == "save") for u in order]
+    memory = [2 * p + a for p, a in zip(params, saved)]
+    seconds = [3 * sum(r["seconds"] for r in members[u]) for u in order]
+    try:
+        placement = place_regions(seconds, memory, budgets)
+    except PlacementError as error:
+        raise InfeasibleBudgetError(min(budgets), max(memory, default=0), {
+            "parameters and gradients": 2 * sum(params), "saved activations": sum(saved)}) from error
+    entries = []
+    for k, device in enumerate(devices):
+        units = [u for u, d in zip(order, placement.device) if d == k]
+        entries.append({"device": str(device), "modules": units,
+                        "parameter_bytes": sum(p for p, d in zip(params, placement.device) if d == k),
+                        "peak_bytes": placement.memory[k], "seconds": placement.seconds[k],
+                        "budget_bytes": int(budgets[k])})
+    return dataclasses.replace(plan, devices=tuple(entries), budget_bytes=int(min(budgets)))
+
+
+def node_devices(model: torch.nn.Module, gm: torch.fx.GraphModule, plan: Plan) -> dict[str, tuple[str, int]]:
+    """(device, region) per node of a captured graph: its module's unit's; nodes outside any module
+    run where the node before them ran."""
+    where = {u: (e["device"], k) for k, e in enumerate(plan.devices) for u in e["modules"]}
+    devices: dict[str, tuple[str, int]] = {}
+    current = (plan.devices[0]["device"], 0)
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            owner = node.target.rpartition(".")[0]
+            devices[node.name] = where.get(unit_of(model, owner), current) if owner else current
+            continue
+        path = module_path(node) if node.op != "call_module" else str(node.target)
+        if path:
+            current = where.get(unit_of(model, path), current)
+        devices[node.name] = current
+    return devices
+
+
+class PlacedModule(torch.nn.Module):
+    """The model's own parameters and submodules, placed on several devices; trains like the model."""
+
+    def __init__(self, model: torch.nn.Module, devices: Sequence[str], budgets: Sequence[int],
+                 plan: Plan | None, device: Any):
+        super().__init__()
+        self._parameters = model._parameters
+        self._buffers = model._buffers
+        self._modules = model._modules
+        self.training = model.training
+        object.__setattr__(self, "fxmem_model", model)
+        object.__setattr__(self, "_setup", (list(devices), list(budgets), plan, device))
+        object.__setattr__(self, "_graph", None)
+        object.__setattr__(self, "plan", plan)
+
+    @property
+    def plans(self) -> list[Plan]:
+        return [self.plan] if self.plan is not None else []
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._graph is None:
+            self._build(args, kwargs)
+        flat = flat_graph_inputs(self._graph, args, kwargs)
+        raw = torch.fx.Interpreter(self._graph).run(*flat, enable_io_processing=False)
+        return structure_outputs(self._graph, raw)
+
+    def _build(self, args: tuple, kwargs: dict) -> None:
+        from fxmem.runtime import plan as make_plan
+
+        devices, budgets, plan, device = self._setup
+        model = self.fxmem_model
+        if plan is None or not plan.devices:
+            keep_all = make_plan(model, args, example_kwargs=kwargs, device=device)
+            plan = place_plan(model, keep_all, devices, budgets)
+        gm = capture(model, args, kwargs)
+        place(gm, node_devices(model, gm, plan), str(plan.devices[0]["device"]))
+        object.__setattr__(self, "_graph", gm)
+        object.__setattr__(self, "plan", plan)
+
+
+def optimize_on_devices(model: torch.nn.Module, devices: Sequence[str], *, budget_gb: float | Sequence[float] | None,
+                        plan: Plan | None = None, device: Any = None) -> PlacedModule:
+    """See `fxmem.optimize(..., devices=...)`: `budget_gb` is per device (one number or one per device)."""
+    devices = [str(d) for d in devices]
+    if not devices:
+        raise ValueError("devices= needs at least one device, e.g. ['cuda:0', 'cuda:1']")
+    if plan is not None and not plan.devices:
+        raise ValueError("plan= has no device placement; make one with fxmem.optimize(model, budget_gb=..., "
+                         "devices=[...]) and reuse its .plan")
+    if budget_gb is None:
+        budgets = [int(e["budget_bytes"]) for e in plan.devices] if plan is not None else [2**62] * len(devices)
+    else:
+        per = list(budget_gb) if isinstance(budget_gb, (list, tuple)) else [budget_gb] * len(devices)
+        if len(per) != len(devices) or any(not isinstance(b, (int, float)) or b <= 0 for b in per):
+            raise ValueError(f"budget_gb must be a positive number or one per device ({len(devices)}), got {budget_gb!r}")
+        budgets = [int(b * GIB) for b in per]
+    return PlacedModule(model, devices, budgets, plan, device)

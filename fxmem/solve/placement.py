@@ -1,0 +1,72 @@
+"""Placement of a model's regions on several devices: contiguous runs of units, in order.
+
+Reads per-unit times and memory and per-device budgets (plain numbers, no torch); returns which
+device each unit goes to. Exact dynamic program over split points: device k takes units
+[cut[k], cut[k+1]) (possibly none), the memory of each device stays within its budget, and the
+slowest device is as fast as it can be (ties: the fewest units moved to later devices).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class Placement:
+    """`device[u]`: device index of unit u; per device: total time and memory of its units."""
+
+    device: tuple[int, ...]
+    seconds: tuple[float, ...]
+    memory: tuple[int, ...]
+
+    @property
+    def bottleneck_s(self) -> float:
+        return max(self.seconds, default=0.0)
+
+
+class PlacementError(ValueError):
+    """No contiguous placement fits the budgets."""
+
+
+def place_regions(seconds: Sequence[float], memory: Sequence[int], budgets: Sequence[int]) -> Placement:
+    """Assign units (in order) to devices (in order) in contiguous runs, each device's memory within its
+    budget, minimising the largest per-device time. Raises PlacementError when nothing fits."""
+    n, d = len(seconds), len(budgets)
+    if len(memory) != n:
+        raise ValueError(f"{len(memory)} memory entries for {n} units")
+    if d == 0:
+        raise ValueError("no devices to place on")
+    t = [0.0, *accumulate(seconds)]
+    m = [0, *accumulate(memory)]
+    inf = float("inf")
+    # best[k][j]: least bottleneck placing units [0, j) on devices [0, k]; cut[k][j]: where device k starts.
+    best = [[inf] * (n + 1) for _ in range(d)]
+    cut = [[-1] * (n + 1) for _ in range(d)]
+    for j in range(n + 1):
+        if m[j] <= budgets[0]:
+            best[0][j], cut[0][j] = t[j], 0
+    for k in range(1, d):
+        for j in range(n + 1):
+            for i in range(j, -1, -1):  # device k takes [i, j); larger i first = fewer units on k
+                if m[j] - m[i] > budgets[k]:
+                    break
+                value = max(best[k - 1][i], t[j] - t[i])
+                if value < best[k][j]:
+                    best[k][j], cut[k][j] = value, i
+    if best[d - 1][n] == inf:
+        largest = max(memory, default=0)
+        raise PlacementError(
+            f"the model does not fit on {d} device(s) with budgets {list(budgets)} bytes: its regions need "
+            f"{m[n]} bytes in all, the largest single region {largest}; raise budget_gb, add devices, or "
+            "lower the batch size")
+    device = [0] * n
+    j = n
+    for k in range(d - 1, -1, -1):
+        i = cut[k][j]
+        for u in range(i, j):
+            device[u] = k
+        j = i
+    per_time = tuple(sum(s for s, dev in zip(seconds, device) if dev == k) for k in range(d))
+    per_mem = tuple(sum(b for b, dev in zip(memory, device) if dev == k) for k in range(d))
+    return Placement(tuple(device), per_time, per_mem)

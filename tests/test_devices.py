@@ -1,0 +1,127 @@
+"""Multi-device placement: the contiguous-region DP against brute force, and placed models that
+train exactly like eager on CPU (`devices=["cpu", "cpu"]`: the moves run, as no-ops)."""
+from __future__ import annotations
+
+import copy
+import random
+from itertools import combinations_with_replacement
+
+import pytest
+import torch
+
+import fxmem
+from fxmem import models
+from fxmem.passes.devices import to_device
+from fxmem.solve.placement import PlacementError, place_regions
+from tests.conftest import GIB, assert_trains_like
+
+
+def _brute(seconds, memory, budgets):
+    """Least bottleneck over all contiguous placements (device k takes a run, possibly empty)."""
+    n, d = len(seconds), len(budgets)
+    best = None
+    for cuts in combinations_with_replacement(range(n + 1), d - 1):
+        bounds = [0, *cuts, n]
+        runs = [range(bounds[k], bounds[k + 1]) for k in range(d)]
+        if any(sum(memory[u] for u in run) > budgets[k] for k, run in enumerate(runs)):
+            continue
+        value = max(sum(seconds[u] for u in run) for run in runs)
+        best = value if best is None else min(best, value)
+    return best
+
+
+def test_placement_matches_brute_force():
+    rng = random.Random(0)
+    for _ in range(60):
+        n, d = rng.randint(1, 7), rng.randint(1, 3)
+        seconds = [rng.randint(1, 9) * 1.0 for _ in range(n)]
+        memory = [rng.randint(1, 9) for _ in range(n)]
+        budgets = [rng.randint(5, 25) for _ in range(d)]
+        expected = _brute(seconds, memory, budgets)
+        if expected is None:
+            with pytest.raises(PlacementError, match="raise budget_gb"):
+                place_regions(seconds, memory, budgets)
+            continue
+        got = place_regions(seconds, memory, budgets)
+        assert got.bottleneck_s == expected
+        assert list(got.device) == sorted(got.device), "regions are contiguous and in device order"
+        assert all(m <= b for m, b in zip(got.memory, budgets))
+        assert got == place_regions(seconds, memory, budgets), "deterministic"
+
+
+def test_placement_balances_time():
+    got = place_regions([1.0] * 8, [1] * 8, [100, 100])
+    assert got.device == (0, 0, 0, 0, 1, 1, 1, 1)
+    assert place_regions([1.0] * 4, [5] * 4, [5, 100]).device == (0, 1, 1, 1)
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "resnet-tiny"])
+def test_placed_model_trains_like_eager(name):
+    torch.manual_seed(0)
+    model, inputs = models.from_name(name), models.example_inputs(name)
+    reference = copy.deepcopy(model)
+    placed = fxmem.optimize(model, budget_gb=1.0, devices=["cpu", "cpu"])
+    for _ in range(2):
+        assert_trains_like(reference, placed, inputs)
+    plan = placed.plan
+    assert [e["device"] for e in plan.devices] == ["cpu", "cpu"]
+    assert all(e["modules"] for e in plan.devices), "both devices get a region"
+    first, second = plan.devices
+    assert plan.device_of(first["modules"][0]) == "cpu"
+    # Moves at the region boundary, besides the input and output moves.
+    graph = placed._graph.graph
+    moves = [n for n in graph.nodes if n.target is to_device]
+    from_inputs = [n for n in moves if n.args[0].op == "placeholder"]
+    to_output = [n for n in moves if graph.output_node() in n.users]
+    assert len(moves) > len(from_inputs) + len(to_output)
+    text = plan.table()
+    assert "predicted peak" in text and second["modules"][-1] in text
+
+
+def test_device_of_names_each_region():
+    torch.manual_seed(0)
+    model, inputs = models.from_name("gpt-tiny"), models.example_inputs("gpt-tiny")
+    placed = fxmem.optimize(model, budget_gb=1.0, devices=["cpu:0", "cpu:1"])
+    placed(*inputs)
+    plan = placed.plan
+    assert plan.device_of("blocks.0.attn.c_attn") == "cpu:0"
+    assert plan.device_of("lm_head") == "cpu:1"
+    assert fxmem.Plan.from_json(plan.to_json()).device_of("lm_head") == "cpu:1"
+    assert fxmem.plan(model, inputs).device_of("lm_head") is None
+
+
+def test_tight_budget_splits_and_too_small_refuses():
+    torch.manual_seed(0)
+    model, inputs = models.from_name("mlp-tiny"), models.example_inputs("mlp-tiny", 1024)
+    whole = fxmem.optimize(copy.deepcopy(model), budget_gb=1.0, devices=["cpu", "cpu"])
+    whole(*inputs)
+    total = sum(e["peak_bytes"] for e in whole.plan.devices)
+    tight = int(0.6 * total)  # neither device can hold the whole model
+    placed = fxmem.optimize(model, budget_gb=tight / GIB, devices=["cpu", "cpu"])
+    placed(*inputs)
+    assert all(e["modules"] and e["peak_bytes"] <= tight for e in placed.plan.devices)
+    with pytest.raises(fxmem.InfeasibleBudgetError):
+        fxmem.optimize(copy.deepcopy(model), budget_gb=1e-6, devices=["cpu", "cpu"])(*inputs)
+    with pytest.raises(ValueError, match="one per device"):
+        fxmem.optimize(model, budget_gb=[1.0], devices=["cpu", "cpu"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA for a second device")
+def test_placed_across_cuda_and_cpu_trains_like_eager():
+    torch.manual_seed(0)
+    # No dropout: CPU and CUDA draw different random numbers.
+    model, inputs = models.from_name("gpt-tiny", dropout=0.0), models.example_inputs("gpt-tiny")
+    reference = copy.deepcopy(model).cuda()
+    placed = fxmem.optimize(model, budget_gb=1.0, devices=["cuda:0", "cpu"])
+    cuda_inputs = [x.cuda() for x in inputs]
+    torch.manual_seed(1)
+    expected = reference(*cuda_inputs)
+    expected.backward()
+    torch.manual_seed(1)
+    got = placed(*cuda_inputs)
+    got.backward()
+    assert {p.device.type for p in model.parameters()} == {"cuda", "cpu"}
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    ref = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.cpu(), ref[name].grad.cpu(), atol=1e-5, rtol=1e-5)

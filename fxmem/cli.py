@@ -194,13 +194,14 @@ def _call_plan(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 
-def infeasible_message(exc: Any, what: str) -> str:
+def infeasible_message(exc: Any, what: str, offload: bool = False) -> str:
     from fxmem.errors import fmt_bytes, gb_at_least
 
     parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in exc.breakdown.items())
     return (f"budget {fmt_bytes(exc.budget_bytes)} is below the minimum feasible budget "
             f"{fmt_bytes(exc.min_budget_bytes)} for {what}" + (f" ({parts})" if parts else "")
-            + f"; use --budget-gb {gb_at_least(exc.min_budget_bytes)} or more, a smaller --batch-size, or --offload")
+            + f"; use --budget-gb {gb_at_least(exc.min_budget_bytes)} or more, "
+            + ("or a smaller --batch-size" if offload else "a smaller --batch-size, or --offload"))
 
 
 def _estimate(args: argparse.Namespace, model: Any, inputs: tuple) -> None:
@@ -271,7 +272,7 @@ def run(args: argparse.Namespace) -> None:
             try:
                 plan = _call_plan(fxmem.plan, model, inputs, args.budget_gb, **kwargs)
             except fxmem.InfeasibleBudgetError as exc:
-                raise CliError(infeasible_message(exc, what)) from None
+                raise CliError(infeasible_message(exc, what, offload=bool(kwargs.get("offload")))) from None
         _write(args, plan)
 
 

@@ -83,16 +83,22 @@ def _brute(problem: MemoryProblem, time_limit_s: float) -> Solution:
     return solve_brute(problem, time_limit_s)
 
 
+def _exact(problem: MemoryProblem, time_limit_s: float) -> Solution:
+    return solve_exact(problem, time_limit_s)
+
+
 SOLVERS: dict[str, Callable[[MemoryProblem, float], Solution]] = {
     "greedy": _greedy,
     "cpsat": _cpsat,
     "brute": _brute,
+    "exact": _exact,
 }
 
 # Imported last: the solver modules import `Solution` and `make_solution` from this package.
 from fxmem.solve.brute import solve_brute  # noqa: E402
 from fxmem.solve.cpsat import cpsat_min_peak, solve_cpsat  # noqa: E402
+from fxmem.solve.exact import exact_min_peak, solve_exact  # noqa: E402
 from fxmem.solve.greedy import greedy_min_peak, solve_greedy  # noqa: E402
 
 __all__ = ["Solution", "SOLVERS", "solve", "min_peak", "make_solution", "solve_greedy",
-           "solve_cpsat", "solve_brute", "greedy_min_peak", "cpsat_min_peak"]
+           "solve_cpsat", "solve_brute", "greedy_min_peak", "cpsat_min_peak", "solve_exact", "exact_min_peak"]

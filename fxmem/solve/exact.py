@@ -82,7 +82,7 @@ def _at_least(m: cp_model.CpModel, name: str, causes: list[list[Lit]]) -> Lit:
 class _Model:
     """The 0-1 program for one problem; `capacity` is the budget, or None to minimise the peak."""
 
-    def __init__(self, p: MemoryProblem, capacity: int | None):
+    def __init__(self, p: MemoryProblem, capacity: int | None, memory: bool = True):
         self.p, self.model = p, cp_model.CpModel()
         self.pts = _points(p)
         m, n = self.model, p.num_values
@@ -98,9 +98,10 @@ class _Model:
                 for j in sorted(set(p.inputs[v])):
                     either = [x for x in (self.s[j], self.r[j]) if x is not False]
                     m.add_bool_or(either + [_neg(self.r[v])])
-        self._made()
-        self._ends()
-        self._memory(capacity)
+        if memory:  # without it: the decision rules only
+            self._made()
+            self._ends()
+            self._memory(capacity)
 
     def _index(self, t: int) -> int:
         return bisect.bisect_left(self.pts.steps, t)

@@ -15,14 +15,16 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from fxmem.problem import MemoryProblem, eager_decision, is_valid, peak_bytes
+from fxmem.problem import MemoryProblem, eager_decision, is_valid, peak_bytes, recompute_cost, saved_set
 from fxmem.solve import Solution, make_solution
 from fxmem.solve.exact import _Model, solve_exact
 from fxmem.solve.layers import Layers, Window, find_layers, repair, window
 
-MAX_OPTIONS = 48  # Pareto options listed per layer
+MAX_OPTIONS, OPTIONS_TIME_S = 32, 1.0  # Pareto options listed per layer and kind, and the time for each kind
 BISECTIONS = 16  # caps tried on the layers' kept bytes, per choice of the last layer's option
 LAST_LAYER_TRIES = 3  # options with the least transient tried on the last layer
+OUTSIDE_TRIES = 4  # assemblies over the budget offered to an exact solve of the rest
+TRANSIENT_LEVELS = 3  # searches again with only the options holding less beyond their kept bytes
 POLISHED_LAYERS, WINDOW_TIME_S = 1, 0.5  # layers re-solved alone at the end, time for each window
 
 
@@ -42,42 +44,55 @@ class _Assembly:
     peak: int
 
 
-def layer_options(win: Window, first: int, deadline: float) -> list[Option]:
-    """The layer's Pareto options from keeping what eager keeps down to the least it can keep,
-    each the cheapest for its kept bytes (solved exactly on the decision rules alone)."""
+def layer_options(win: Window, first: int, deadline: float, memory: bool = False) -> list[Option]:
+    """The layer's Pareto options, cheapest first, each solved exactly: the least recompute cost
+    for each number of bytes the layer keeps from forward to backward (on the decision rules
+    alone), or with `memory`, for each peak of the window (the rest as the window fixes it)."""
     sub = win.problem
-    model = _Model(sub, None, memory=False)
+    model = _Model(sub, None, memory=memory)
     own = [k for k, v in enumerate(win.members) if v in win.own]
-    kept_terms = [(sub.size[k], model.s[k]) for k in own if model.s[k] is not False and sub.size[k]]
-    kept = sum(b * x for b, x in kept_terms)
+    kept = sum(sub.size[k] * model.s[k] for k in own if model.s[k] is not False and sub.size[k])
     model.model.minimize(sum(c * x for c, x in zip(sub.cost, model.r) if c and x is not False))
     options: list[Option] = []
     while len(options) < MAX_OPTIONS and time.perf_counter() < deadline:
         code, solver = model.run(max(0.05, deadline - time.perf_counter()), 2)
         if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             break
-        rec = {win.members[k] for k in model.decision(solver) if win.members[k] in win.own}
-        held = sum(b for b, x in kept_terms if solver.boolean_value(x))
-        options.append(Option(frozenset(v - first for v in rec), held, int(solver.objective_value)))
-        if not kept_terms:
+        rec = model.decision(solver)
+        held = sum(sub.size[k] for k in saved_set(sub, rec) if win.members[k] in win.own)
+        options.append(Option(frozenset(win.members[k] - first for k in rec if win.members[k] in win.own),
+                              held, recompute_cost(sub, rec)))
+        if memory:
+            model.model.add(model.capacity <= peak_bytes(sub, rec) - 1)
+        elif isinstance(kept, int):
             break
-        model.model.add(kept <= held - 1)
+        else:
+            model.model.add(kept <= held - 1)
     return options
 
 
 def _counts(options: list[Option], layers: int, cap: int) -> list[int] | None:
-    """How many layers take each option: least total cost with total kept bytes <= cap."""
-    m = cp_model.CpModel()
-    n = [m.new_int_var(0, layers, f"n{i}") for i in range(len(options))]
-    m.add(sum(n) == layers)
-    m.add(sum(o.kept * x for o, x in zip(options, n)) <= cap)
-    m.minimize(sum(o.cost * x for o, x in zip(options, n)))
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = 1.0
-    solver.parameters.num_workers = 1
-    if solver.solve(m) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+    """How many layers take each option: the cheapest split of the layers between two options
+    (or one) whose kept bytes stay within `cap`."""
+    best: tuple[int, int, int, int] | None = None  # (cost, a, b, layers on a)
+    for a, more in enumerate(options):
+        if more.kept * layers <= cap:
+            if best is None or more.cost * layers < best[0]:
+                best = (more.cost * layers, a, a, layers)
+            continue
+        for b, less in enumerate(options):
+            if less.kept >= more.kept or less.kept * layers > cap:
+                continue
+            on_a = (cap - less.kept * layers) // (more.kept - less.kept)
+            cost = more.cost * on_a + less.cost * (layers - on_a)
+            if best is None or cost < best[0]:
+                best = (cost, a, b, on_a)
+    if best is None:
         return None
-    return [solver.value(x) for x in n]
+    counts = [0] * len(options)
+    counts[best[2]] += layers - best[3]
+    counts[best[1]] += best[3]
+    return counts
 
 
 def _assemble(p: MemoryProblem, layers: Layers, outside: frozenset[int], per_layer: list[Option]) -> _Assembly:
@@ -109,26 +124,87 @@ def solve_layered(problem: MemoryProblem, time_limit_s: float = 10.0,
     if layers is None:
         return None
     eager = eager_decision(p)
+    if is_valid(p, eager) and peak_bytes(p, eager) <= p.budget:
+        return make_solution(p, eager, "optimal", 0, started, "layered")
     span = range(layers.start, layers.start + layers.count * layers.length)
     outside = frozenset(v for v in eager if v not in span)
     last = layers.layer(layers.count - 1)
-    win = window(p, last, eager)
-    options = layer_options(win, last.start, started + time_limit_s / 3)
+    win, options = _options(p, layers, eager, min(OPTIONS_TIME_S, time_limit_s / 6))
     if not options:
         return None
-    # The last layer's backward comes first, while every layer keeps its bytes: there, the lowest
-    # transient matters. Options ranked by the window's peak beyond their kept bytes.
-    transient = sorted(options, key=lambda o: (_window_peak(win, last.start, o) - o.kept, o.cost))
-    best: _Assembly | None = None
-    for fixed in [None] + transient[:LAST_LAYER_TRIES]:
-        found = _bisect(p, layers, outside, options, fixed, deadline)
+    # A layer's backward comes while the layers before it keep their bytes: the bytes it holds
+    # beyond its kept ones then matter too (the window's peak beyond its kept bytes).
+    extra = {o.offsets: _window_peak(win, last.start, o) - o.kept for o in options}
+    transient = sorted(options, key=lambda o: (extra[o.offsets], o.cost))
+    over: list[_Assembly] = []
+    best = _search(p, layers, outside, options, transient, deadline, over)
+    levels = sorted(set(extra.values()))
+    for limit in sorted({levels[len(levels) * q // (TRANSIENT_LEVELS + 1)] for q in range(TRANSIENT_LEVELS, 0, -1)},
+                        reverse=True):
+        if time.perf_counter() > deadline:
+            break
+        calm = [o for o in options if extra[o.offsets] <= limit]
+        found = _search(p, layers, outside, calm, [o for o in transient if o in calm], deadline, over)
         if found is not None and (best is None or (found.cost, found.peak) < (best.cost, best.peak)):
             best = found
     if best is None:
+        # Even the least-keeping layers do not fit with the rest as eager keeps it: solve the rest
+        # exactly with the layers keeping least, then search again.
+        least = _assemble(p, layers, outside, [options[-1]] * layers.count).recompute
+        rest = _resolve(p, [v for v in range(p.num_values) if v not in span], least, deadline, check=False)
+        if rest is not None:
+            best = _search(p, layers, frozenset(v for v in rest if v not in span), options, transient, deadline, over)
+    if best is None:
         return None
+    # Cheaper assemblies that went over the budget may fit once the rest recomputes some more.
+    outside_own = [v for v in range(p.num_values) if v not in span]
+    for trial in sorted({a.recompute: a for a in over if a.cost < best.cost}.values(), key=lambda a: a.cost)[:OUTSIDE_TRIES]:
+        if time.perf_counter() > deadline:
+            break
+        fixed = _resolve(p, outside_own, trial.recompute, deadline, check=False)
+        if fixed is not None and is_valid(p, fixed) and peak_bytes(p, fixed) <= p.budget:
+            cost = sum(p.cost[v] for v in fixed)
+            if cost < best.cost:
+                best = _Assembly(fixed, cost, peak_bytes(p, fixed))
     rec = _polish(p, layers, _prune(p, best.recompute, deadline), deadline)
     cost = sum(p.cost[i] for i in rec)
     return make_solution(p, rec, "feasible" if cost else "optimal", 0, started, "layered")
+
+
+def _options(p: MemoryProblem, layers: Layers, eager: frozenset[int], share: float) -> tuple[Window, list[Option]]:
+    """The last layer's window (the rest as eager keeps it) and its options of both kinds, the
+    most kept bytes first."""
+    last = layers.layer(layers.count - 1)
+    win = window(p, last, eager)
+    options = layer_options(win, last.start, time.perf_counter() + share)
+    options += layer_options(win, last.start, time.perf_counter() + share, memory=True)
+    return win, sorted({o.offsets: o for o in options}.values(), key=lambda o: (-o.kept, o.cost))
+
+
+def layered_min_peak(problem: MemoryProblem, time_limit_s: float = 10.0,
+                     layers: Layers | None = None) -> tuple[int, frozenset[int]] | None:
+    """A low peak (an upper bound on the least one) from one option on every layer, the rest as
+    eager keeps it; None without repeated layers."""
+    layers = layers or find_layers(problem)
+    if layers is None:
+        return None
+    eager = eager_decision(problem)
+    span = range(layers.start, layers.start + layers.count * layers.length)
+    outside = frozenset(v for v in eager if v not in span)
+    _, options = _options(problem, layers, eager, time_limit_s / 2)
+    tries = [_assemble(problem, layers, outside, [o] * layers.count) for o in options]
+    best = min(tries, key=lambda a: (a.peak, a.cost), default=None)
+    return None if best is None else (best.peak, best.recompute)
+
+
+def _search(p: MemoryProblem, layers: Layers, outside: frozenset[int], options: list[Option],
+            transient: list[Option], deadline: float, over: list[_Assembly]) -> _Assembly | None:
+    best: _Assembly | None = None
+    for fixed in [None] + transient[:LAST_LAYER_TRIES]:
+        found = _bisect(p, layers, outside, options, fixed, deadline, over)
+        if found is not None and (best is None or (found.cost, found.peak) < (best.cost, best.peak)):
+            best = found
+    return best
 
 
 def _window_peak(win: Window, first: int, option: Option) -> int:
@@ -138,9 +214,10 @@ def _window_peak(win: Window, first: int, option: Option) -> int:
 
 
 def _bisect(p: MemoryProblem, layers: Layers, outside: frozenset[int], options: list[Option],
-            fixed: Option | None, deadline: float) -> _Assembly | None:
+            fixed: Option | None, deadline: float, over: list[_Assembly]) -> _Assembly | None:
     """Cheapest assembly found by bisecting the cap on the layers' kept bytes; `fixed`, when
-    given, is the last layer's option and the knapsack covers the others."""
+    given, is the last layer's option and the knapsack covers the others. Assemblies over the
+    budget are added to `over`."""
     free = layers.count - (fixed is not None)
     low, high = free * options[-1].kept, free * options[0].kept
     best: _Assembly | None = None
@@ -162,6 +239,8 @@ def _bisect(p: MemoryProblem, layers: Layers, outside: frozenset[int], options: 
             return None  # keeping the least does not fit
         else:
             high = cap - 1
+            if trial is not None:
+                over.append(trial)
     return best
 
 
@@ -182,19 +261,25 @@ def _polish(p: MemoryProblem, layers: Layers, rec: frozenset[int], deadline: flo
     span = range(layers.start, layers.start + layers.count * layers.length)
     ends = [layers.count - 1, 0][:min(POLISHED_LAYERS, layers.count)]
     windows = [[v for v in range(p.num_values) if v not in span]] + [list(layers.layer(k)) for k in ends]
-    cost = sum(p.cost[v] for v in rec)
     for own in windows:
-        left = deadline - time.perf_counter()
-        if left < 0.05 or not own:
+        if deadline - time.perf_counter() < 0.05 or not own:
             break
-        mine = frozenset(own)
-        win = window(p, own, rec)
-        current = frozenset(k for k, v in enumerate(win.members) if v in rec and v in mine)
-        found = solve_exact(win.problem, min(left, WINDOW_TIME_S), hint=current)
-        if found.status == "infeasible":
-            continue
-        trial = repair(p, (rec - mine) | {win.members[k] for k in found.recompute if win.members[k] in mine})
-        trial_cost = sum(p.cost[v] for v in trial)
-        if trial_cost < cost and is_valid(p, trial) and peak_bytes(p, trial) <= p.budget:
-            rec, cost = trial, trial_cost
+        rec = _resolve(p, own, rec, deadline) or rec
     return rec
+
+
+def _resolve(p: MemoryProblem, own: list[int], rec: frozenset[int], deadline: float,
+             check: bool = True) -> frozenset[int] | None:
+    """The whole decision with the candidates `own` re-solved exactly under the budget, the rest
+    of `rec` fixed; None when that finds nothing, or (with `check`) nothing cheaper that fits."""
+    mine = frozenset(own)
+    win = window(p, own, rec)
+    current = frozenset(k for k, v in enumerate(win.members) if v in rec and v in mine)
+    found = solve_exact(win.problem, max(0.05, min(deadline - time.perf_counter(), WINDOW_TIME_S)), hint=current)
+    if found.status == "infeasible":
+        return None
+    trial = repair(p, (rec - mine) | {win.members[k] for k in found.recompute if win.members[k] in mine})
+    if check and not (sum(p.cost[v] for v in trial) < sum(p.cost[v] for v in rec)
+                      and is_valid(p, trial) and peak_bytes(p, trial) <= p.budget):
+        return None
+    return trial

@@ -44,9 +44,12 @@ def make_solution(problem: MemoryProblem, recompute: Iterable[int], status: str,
 
 
 def solve(problem: MemoryProblem, solver: str = "cpsat", time_limit_s: float = 10.0) -> Solution:
-    """Run the named solver (see `SOLVERS`) on `problem` within about `time_limit_s` seconds."""
+    """Run the named solver (see `SOLVERS`, or "auto": `fxmem.solve.auto`, which names the solver
+    it picked in the Solution) on `problem` within about `time_limit_s` seconds."""
+    if solver == "auto" and problem.budget > 0:
+        return solve_auto(problem, time_limit_s)
     if solver not in SOLVERS:
-        raise ValueError(f"unknown solver {solver!r}; choose one of: {', '.join(sorted(SOLVERS))}")
+        raise ValueError(f"unknown solver {solver!r}; choose one of: auto, {', '.join(sorted(SOLVERS))}")
     if problem.budget <= 0:
         raise ValueError(f"memory budget must be positive, got {problem.budget}")
     return SOLVERS[solver](problem, time_limit_s)
@@ -106,8 +109,9 @@ from fxmem.solve.brute import solve_brute  # noqa: E402
 from fxmem.solve.cpsat import cpsat_min_peak, solve_cpsat  # noqa: E402
 from fxmem.solve.exact import exact_min_peak, solve_exact  # noqa: E402
 from fxmem.solve.layered import solve_layered  # noqa: E402
+from fxmem.solve.auto import solve_auto  # noqa: E402
 from fxmem.solve.greedy import greedy_min_peak, solve_greedy  # noqa: E402
 
 __all__ = ["Solution", "SOLVERS", "solve", "min_peak", "make_solution", "solve_greedy",
            "solve_cpsat", "solve_brute", "greedy_min_peak", "cpsat_min_peak", "solve_exact", "exact_min_peak",
-           "solve_layered"]
+           "solve_layered", "solve_auto"]

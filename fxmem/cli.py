@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, help="batch size (default: the preset's)")
     parser.add_argument("--target", default="cpu", help="device to price time for: cpu, a100, h100, h200, l4, "
                         "rtx4090 (default: cpu)")
-    parser.add_argument("--solver", default="cpsat", help="cpsat (default) or greedy")
+    parser.add_argument("--solver", default="auto", help="auto (default: exact on small graphs, layered on repeated layers, else cpsat), cpsat, exact, layered or greedy")
     parser.add_argument("--time-limit", type=float, default=10.0, help="solver time limit, seconds (default 10)")
     parser.add_argument("--by", choices=("module", "op"), default="module", help="group the table by")
     parser.add_argument("--out", help="write the plan JSON here")

@@ -109,7 +109,7 @@ def _request(model, args, kwargs, budget_gb, plan, device, solver, time_limit_s)
 
 def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: float | None = None, *,
          example_kwargs: dict[str, Any] | None = None, device: DeviceSpec | str | None = None,
-         solver: str = "cpsat", time_limit_s: float = 10.0) -> Plan:
+         solver: str = "auto", time_limit_s: float = 10.0) -> Plan:
     """Plan a training step of `model` on `example_inputs` under `budget_gb` without running it
     (fake tensors only). Without a budget the plan keeps everything (the eager step)."""
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
@@ -179,7 +179,7 @@ def _cache_key(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
 
 
 def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Plan | None = None,
-             device: DeviceSpec | str | None = None, solver: str = "cpsat",
+             device: DeviceSpec | str | None = None, solver: str = "auto",
              time_limit_s: float = 10.0) -> OptimizedModule:
     """A module that trains like `model` with its step planned under `budget_gb` (planned lazily at the
     first call, from the real inputs; re-planned per input signature), or running a given `plan`."""

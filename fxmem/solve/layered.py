@@ -20,6 +20,7 @@ from fxmem.solve import Solution, make_solution
 from fxmem.solve.exact import _Model, solve_exact
 from fxmem.solve.layers import Layers, Window, find_layers, repair, window
 
+MAX_TIME_S = 5.0  # the layered solver stops by then (or by the time limit), at any depth
 MAX_OPTIONS, OPTIONS_TIME_S = 32, 1.0  # Pareto options listed per layer and kind, and the time for each kind
 BISECTIONS = 16  # caps tried on the layers' kept bytes, per choice of the last layer's option
 LAST_LAYER_TRIES = 3  # options with the least transient tried on the last layer
@@ -118,7 +119,7 @@ def solve_layered(problem: MemoryProblem, time_limit_s: float = 10.0,
     """A decision built from one layer's options ("feasible", or "optimal" when nothing is
     recomputed), or None when no repeated layers are found or no assembly fits the budget."""
     started = time.perf_counter()
-    deadline = started + time_limit_s
+    deadline = started + min(time_limit_s, MAX_TIME_S)
     p = problem
     layers = layers or find_layers(p)
     if layers is None:
@@ -129,7 +130,7 @@ def solve_layered(problem: MemoryProblem, time_limit_s: float = 10.0,
     span = range(layers.start, layers.start + layers.count * layers.length)
     outside = frozenset(v for v in eager if v not in span)
     last = layers.layer(layers.count - 1)
-    win, options = _options(p, layers, eager, min(OPTIONS_TIME_S, time_limit_s / 6))
+    win, options = _options(p, layers, eager, min(OPTIONS_TIME_S, (deadline - started) / 6))
     if not options:
         return None
     # A layer's backward comes while the layers before it keep their bytes: the bytes it holds
@@ -137,10 +138,20 @@ def solve_layered(problem: MemoryProblem, time_limit_s: float = 10.0,
     extra = {o.offsets: _window_peak(win, last.start, o) - o.kept for o in options}
     transient = sorted(options, key=lambda o: (extra[o.offsets], o.cost))
     over: list[_Assembly] = []
-    best = _search(p, layers, outside, options, transient, deadline, over)
+    best = None
+    for trial in _uniform(p, layers, outside, options, deadline):  # one option on every layer
+        if trial.peak > p.budget:
+            over.append(trial)
+        elif best is None or (trial.cost, trial.peak) < (best.cost, best.peak):
+            best = trial
+    found = _search(p, layers, outside, options, transient, deadline, over)
+    if found is not None and (best is None or (found.cost, found.peak) < (best.cost, best.peak)):
+        best = found
     levels = sorted(set(extra.values()))
-    for limit in sorted({levels[len(levels) * q // (TRANSIENT_LEVELS + 1)] for q in range(TRANSIENT_LEVELS, 0, -1)},
-                        reverse=True):
+    limits = {levels[len(levels) * q // (TRANSIENT_LEVELS + 1)] for q in range(1, TRANSIENT_LEVELS + 1)}
+    lowest = min(options, key=lambda o: (o.kept + extra[o.offsets], o.cost))  # the window's lowest peak
+    limits.add(extra[lowest.offsets])
+    for limit in sorted(limits, reverse=True):
         if time.perf_counter() > deadline:
             break
         calm = [o for o in options if extra[o.offsets] <= limit]
@@ -191,10 +202,21 @@ def layered_min_peak(problem: MemoryProblem, time_limit_s: float = 10.0,
     eager = eager_decision(problem)
     span = range(layers.start, layers.start + layers.count * layers.length)
     outside = frozenset(v for v in eager if v not in span)
-    _, options = _options(problem, layers, eager, time_limit_s / 2)
-    tries = [_assemble(problem, layers, outside, [o] * layers.count) for o in options]
-    best = min(tries, key=lambda a: (a.peak, a.cost), default=None)
+    deadline = time.perf_counter() + time_limit_s
+    _, options = _options(problem, layers, eager, time_limit_s / 3)
+    best = min(_uniform(problem, layers, outside, options, deadline), key=lambda a: (a.peak, a.cost), default=None)
     return None if best is None else (best.peak, best.recompute)
+
+
+def _uniform(p: MemoryProblem, layers: Layers, outside: frozenset[int], options: list[Option],
+             deadline: float) -> list[_Assembly]:
+    """Each option on every layer (as many as time allows, least kept bytes first)."""
+    out = []
+    for option in reversed(options):
+        if out and time.perf_counter() > deadline:
+            break
+        out.append(_assemble(p, layers, outside, [option] * layers.count))
+    return out
 
 
 def _search(p: MemoryProblem, layers: Layers, outside: frozenset[int], options: list[Option],

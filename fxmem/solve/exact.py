@@ -212,16 +212,20 @@ class _Model:
 def solve_exact(problem: MemoryProblem, time_limit_s: float = DEFAULT_TIME_LIMIT_S, num_workers: int = 2,
                 hint: frozenset[int] | None = None) -> Solution:
     """Least-cost decision with peak <= budget, "optimal" only when proven within the time limit
-    ("feasible" with CP-SAT's bound otherwise; "infeasible" when no decision was found or none exists)."""
+    ("feasible" with CP-SAT's bound otherwise, or the `hint` when it fits and nothing better was
+    found; "infeasible" when no decision was found or none exists)."""
     started = time.perf_counter()
     if problem.base and max(problem.base) > problem.budget:
         return make_solution(problem, eager_decision(problem), "infeasible", 0, started, "exact")
     model = _Model(problem, problem.budget)
     model.model.minimize(sum(c * x for c, x in zip(problem.cost, model.r) if c and x is not False))
-    if hint is not None and is_valid(problem, hint) and peak_bytes(problem, hint) <= problem.budget:
+    fits = hint is not None and is_valid(problem, hint) and peak_bytes(problem, hint) <= problem.budget
+    if fits:
         model.hint(hint)
     code, solver = model.run(time_limit_s - (time.perf_counter() - started), num_workers)
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        if fits and code != cp_model.INFEASIBLE:  # out of time before a first solution: the hint fits
+            return make_solution(problem, hint, "feasible", 0, started, "exact")
         return make_solution(problem, eager_decision(problem), "infeasible", 0, started, "exact")
     rec = model.decision(solver)
     if not is_valid(problem, rec) or peak_bytes(problem, rec) > problem.budget:

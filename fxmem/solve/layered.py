@@ -20,8 +20,8 @@ from fxmem.solve import Solution, make_solution
 from fxmem.solve.exact import _Model, solve_exact
 from fxmem.solve.layers import Layers, Window, find_layers, repair, window
 
-MAX_TIME_S = 5.0  # the layered solver stops by then (or by the time limit), at any depth
-MAX_OPTIONS, OPTIONS_TIME_S = 32, 1.0  # Pareto options listed per layer and kind, and the time for each kind
+MAX_TIME_S = 3.0  # the layered solver stops by then (or by the time limit), at any depth
+MAX_OPTIONS, OPTIONS_TIME_S = 32, 0.6  # Pareto options listed per layer and kind, and the time for each kind
 BISECTIONS = 16  # caps tried on the layers' kept bytes, per choice of the last layer's option
 LAST_LAYER_TRIES = 3  # options with the least transient tried on the last layer
 OUTSIDE_TRIES = 4  # assemblies over the budget offered to an exact solve of the rest

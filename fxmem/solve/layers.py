@@ -39,9 +39,8 @@ def _signatures(p: MemoryProblem) -> np.ndarray:
     ids: dict[tuple, int] = {}
     out = []
     for i in range(p.num_values):
-        span = p.need_last[i] - p.need_first[i] if p.needed[i] else -1
         key = (p.size[i], p.cost[i], p.aliases[i], p.needed[i], p.can_save[i], p.can_recompute[i],
-               len(p.inputs[i]), span)
+               len(p.inputs[i]))
         out.append(ids.setdefault(key, len(ids)))
     return np.asarray(out, dtype=np.int64)
 

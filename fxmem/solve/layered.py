@@ -1,12 +1,14 @@
 """Solve a problem with repeated identical layers through one layer: fast at any depth.
 
 Reads a `MemoryProblem`; writes nothing. Cuts the last layer out as a window (the rest as eager
-autograd decides it), lists its Pareto options exactly (least recompute cost for each number of
-bytes the layer keeps from forward to backward), and spreads them over the layers: how many
-layers take each option is a small knapsack on kept bytes, whose cap is bisected until the
-whole decision's peak, measured with `fxmem.problem.peak_bytes`, fits the budget. Then drops
-recomputations the budget does not need and re-solves the candidates outside the layers and the
-outermost layers exactly, one window at a time. Time grows with a layer's size, not the depth.
+autograd decides it) and lists its Pareto options exactly: the least recompute cost for each
+number of bytes the layer keeps from forward to backward, and for each peak of the window.
+Spreads them over the layers: every option on all layers, then two option groups whose split is
+a knapsack on kept bytes, its cap bisected (also with the last layer's option fixed, and with
+only options holding few bytes beyond their kept ones) until the whole decision's peak,
+measured with `fxmem.problem.peak_bytes`, fits the budget. Cheaper assemblies over the budget
+get an exact re-solve of the candidates outside the layers; the winner is pruned and its
+outside and last layer re-solved exactly. Stops within `MAX_TIME_S` whatever the depth.
 """
 from __future__ import annotations
 

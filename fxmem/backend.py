@@ -193,7 +193,7 @@ def fxmem_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], optio
     options: budget_gb (required, GiB per training step, shared by all graphs of one step),
     inner ("inductor" when a C++ compiler is found, else "aot_eager"), time_limit_s (solver, default 10),
     plan_out (write each graph's plan to `<stem>.<k>.json`), verbose (print each plan's table),
-    device (DeviceSpec preset name used for pricing recompute, default "cpu"), solver (default "cpsat").
+    device (DeviceSpec preset name used for pricing recompute, default "cpu"), solver (default "auto").
     """
     options = _validate(options)
     budget = int(options["budget_gb"] * GIB)
@@ -210,7 +210,7 @@ def fxmem_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], optio
     device = options.get("device", "cpu")
     request = PlanRequest(budget_bytes=budget - reserved,
                           device=DeviceSpec.from_name(device) if isinstance(device, str) else device,
-                          solver=options.get("solver", "cpsat"), time_limit_s=float(options.get("time_limit_s", 10.0)),
+                          solver=options.get("solver", "auto"), time_limit_s=float(options.get("time_limit_s", 10.0)),
                           model=f"dynamo graph {index}", signature=f"({', '.join(map(describe_input, example_inputs))})")
     record = GraphRecord(index=index, frame=frame, budget_bytes=budget - reserved)
     planner = _RecordingPlanner(request, ledger, record, reserved, options)

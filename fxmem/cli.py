@@ -70,7 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", type=_positive, help="split the model into S pipeline stages")
     p.add_argument("--schedule", help="pipeline schedule, with --stages (e.g. gpipe, 1f1b)")
     p.add_argument("--microbatches", type=_positive, help="pipeline microbatches, with --stages")
-    p.add_argument("--solver", default="cpsat", help="cpsat (default) or greedy")
+    p.add_argument("--solver", default="auto", help="auto (default: exact on small graphs, layered on repeated "
+                   "layers, else cpsat), cpsat, exact, layered or greedy")
     p.add_argument("--time-limit", type=float, default=10.0, help="solver time limit, seconds (default 10)")
     p.add_argument("--by", choices=("module", "op"), default="module", help="group the plan table by")
     p.add_argument("--out", help="write the plan JSON here")

@@ -49,7 +49,7 @@ class PlanRequest:
     budget_bytes: int | None = None
     plan: Plan | None = None
     device: DeviceSpec = field(default_factory=lambda: DEVICE_PRESETS["cpu"])
-    solver: str = "cpsat"
+    solver: str = "auto"
     time_limit_s: float = 10.0
     model: str = ""
     signature: str = ""

@@ -120,7 +120,7 @@ def _request(model, args, kwargs, budget_gb, plan, device, solver, time_limit_s,
 
 def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: float | None = None, *,
          example_kwargs: dict[str, Any] | None = None, device: DeviceSpec | str | None = None,
-         solver: str = "cpsat", time_limit_s: float = 10.0, offload: bool = False,
+         solver: str = "auto", time_limit_s: float = 10.0, offload: bool = False,
          target: DeviceSpec | str | None = None) -> Plan:
     """Plan a training step of `model` on `example_inputs` under `budget_gb` without running it
     (fake tensors only). Without a budget the plan keeps everything (the eager step).
@@ -193,7 +193,7 @@ def _cache_key(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
 
 
 def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Plan | None = None,
-             device: DeviceSpec | str | None = None, solver: str = "cpsat",
+             device: DeviceSpec | str | None = None, solver: str = "auto",
              time_limit_s: float = 10.0, offload: bool = False, target: DeviceSpec | str | None = None,
              devices: Sequence[str] | None = None) -> OptimizedModule:
     """A module that trains like `model` with its step planned under `budget_gb` (planned lazily at the

@@ -8,7 +8,7 @@ helpers in `fxmem.problem`, whatever the solver believed internally.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
 from fxmem.problem import MemoryProblem, decision_cost, is_valid, peak_bytes, recompute_cost
@@ -48,9 +48,12 @@ def make_solution(problem: MemoryProblem, recompute: Iterable[int], status: str,
 
 
 def solve(problem: MemoryProblem, solver: str = "cpsat", time_limit_s: float = 10.0) -> Solution:
-    """Run the named solver (see `SOLVERS`) on `problem` within about `time_limit_s` seconds."""
+    """Run the named solver (see `SOLVERS`, or "auto": `fxmem.solve.auto`, which names the solver
+    it picked in the Solution) on `problem` within about `time_limit_s` seconds."""
+    if solver == "auto" and problem.budget > 0:
+        return solve_auto(problem, time_limit_s)
     if solver not in SOLVERS:
-        raise ValueError(f"unknown solver {solver!r}; choose one of: {', '.join(sorted(SOLVERS))}")
+        raise ValueError(f"unknown solver {solver!r}; choose one of: auto, {', '.join(sorted(SOLVERS))}")
     if problem.budget <= 0:
         raise ValueError(f"memory budget must be positive, got {problem.budget}")
     return SOLVERS[solver](problem, time_limit_s)
@@ -87,16 +90,32 @@ def _brute(problem: MemoryProblem, time_limit_s: float) -> Solution:
     return solve_brute(problem, time_limit_s)
 
 
+def _exact(problem: MemoryProblem, time_limit_s: float) -> Solution:
+    return solve_exact(problem, time_limit_s)
+
+
+def _layered(problem: MemoryProblem, time_limit_s: float) -> Solution:
+    """One layer solved and spread over repeated layers; CP-SAT on problems without them."""
+    found = solve_layered(problem, time_limit_s)
+    return found if found is not None else replace(solve_cpsat(problem, time_limit_s), solver="layered")
+
+
 SOLVERS: dict[str, Callable[[MemoryProblem, float], Solution]] = {
     "greedy": _greedy,
     "cpsat": _cpsat,
     "brute": _brute,
+    "exact": _exact,
+    "layered": _layered,
 }
 
 # Imported last: the solver modules import `Solution` and `make_solution` from this package.
 from fxmem.solve.brute import solve_brute  # noqa: E402
 from fxmem.solve.cpsat import cpsat_min_peak, solve_cpsat  # noqa: E402
+from fxmem.solve.exact import exact_min_peak, solve_exact  # noqa: E402
+from fxmem.solve.layered import solve_layered  # noqa: E402
+from fxmem.solve.auto import solve_auto  # noqa: E402
 from fxmem.solve.greedy import greedy_min_peak, solve_greedy  # noqa: E402
 
 __all__ = ["Solution", "SOLVERS", "solve", "min_peak", "make_solution", "solve_greedy",
-           "solve_cpsat", "solve_brute", "greedy_min_peak", "cpsat_min_peak"]
+           "solve_cpsat", "solve_brute", "greedy_min_peak", "cpsat_min_peak", "solve_exact", "exact_min_peak",
+           "solve_layered", "solve_auto"]

@@ -43,7 +43,8 @@ class _GraphRunner(torch.nn.Module):
 class CompiledStep:
     """One captured graph compiled by AOTAutograd with fxmem's planner as partitioner."""
 
-    def __init__(self, model: torch.nn.Module, gm: torch.fx.GraphModule, planner: Planner):
+    def __init__(self, model: torch.nn.Module, gm: torch.fx.GraphModule, planner: Planner,
+                 compiler: Callable[..., Any] = boxed_nop):
         self.gm, self.planner = gm, planner
         self.runner = _GraphRunner(gm)
         own = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
@@ -53,7 +54,7 @@ class CompiledStep:
         self.constants = {n: b for n, b in gm.named_buffers() if n not in model_names}
         self.out_spec: pytree.TreeSpec | None = None
         self.out_consts: list[Any] = []
-        self.compiled = aot_function(self._flat_forward, fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=planner,
+        self.compiled = aot_function(self._flat_forward, fw_compiler=compiler, bw_compiler=compiler, partition_fn=planner,
                                      num_params_buffers=len(self.state_names) + len(self.constants))
 
     def _flat_forward(self, state: dict[str, torch.Tensor], *flat_inputs: Any) -> list[torch.Tensor]:

@@ -1,0 +1,192 @@
+"""Pool pass: one arena per graph, every pooled intermediate written into a view of it at an offset
+planned by `fxmem.pack_buffers` from its lifetime in node order.
+
+Reads `meta["val"]` (FakeTensors) of a graph fxmem runs itself (a plan's forward or backward graph, or
+an inference graph run under `torch.no_grad()`); rewrites pooled nodes to their `.out` overload writing
+into an `as_strided` view of one uint8 arena, or, for ops without one (and random ops, whose `.out`
+overload may draw numbers differently), computes as before and `copy_`s into the slot. Intermediates
+that are graph inputs, reach an output (views included), or come from multi-output ops stay with the
+allocator. Writes `gm.meta["fxmem_pool"]` (`PoolStats`) and `node.meta["fxmem"]["pool"]` (offset, path).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Hashable
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from fxmem.memory import storage_key, storages_of, tensors_of
+from fxmem.solve.pack import Packing, pack_buffers
+
+META_KEY = "fxmem_pool"
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """What pooling one graph did. Bytes: `no_reuse_bytes` (one allocation per pooled intermediate,
+    all alive at once), `lower_bound_bytes` (most pooled bytes alive at one node), `arena_bytes` (the
+    one arena). `allocations_avoided`: allocator calls no longer made (`.out` writes minus the arena)."""
+
+    no_reuse_bytes: int
+    lower_bound_bytes: int
+    arena_bytes: int
+    allocations_avoided: int
+    pooled: int
+    out_variant: int
+    copied: int
+    unpooled: int
+    solver_status: str
+    solve_time_s: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def pool_stats(gm: torch.fx.GraphModule) -> PoolStats | None:
+    """The stats `pool_graph` recorded on `gm`, or None if it was not pooled."""
+    return gm.meta.get(META_KEY)
+
+
+def out_overload(op: Any) -> tuple[Any, str] | None:
+    """(the `.out` overload taking the same arguments as `op` plus one out tensor, its name) or None."""
+    if not isinstance(op, torch._ops.OpOverload):
+        return None
+    want = [(a.name, str(a.type)) for a in op._schema.arguments]
+    packet = op.overloadpacket
+    for name in packet.overloads():
+        cand = getattr(packet, name)
+        outs = [a for a in cand._schema.arguments if a.is_out]
+        args = [(a.name, str(a.type)) for a in cand._schema.arguments if not a.is_out]
+        if len(outs) == 1 and args == want and len(cand._schema.returns) == 1:
+            return cand, outs[0].name
+    return None
+
+
+def _poolable(node: torch.fx.Node) -> torch.Tensor | None:
+    """The node's fake value if it is one freshly allocated dense tensor made by an aten op."""
+    val = node.meta.get("val")
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    if not isinstance(val, torch.Tensor) or val._is_view() or val.layout != torch.strided:
+        return None
+    if node.target._schema.is_mutable or any(isinstance(s, torch.SymInt) for s in (*val.shape, *val.stride())):
+        return None
+    return val
+
+
+def _lifetimes(nodes: list[torch.fx.Node]) -> tuple[dict[Hashable, torch.fx.Node], dict[Hashable, int]]:
+    """Producer node and last step (exclusive) of every storage, over all nodes referring to it."""
+    position = {n: i for i, n in enumerate(nodes)}
+    producer: dict[Hashable, torch.fx.Node] = {}
+    end: dict[Hashable, int] = {}
+    for i, node in enumerate(nodes):
+        last = max((position[u] for u in node.users), default=i) + 1
+        for key in storages_of(node):
+            producer.setdefault(key, node)
+            end[key] = max(end.get(key, 0), last)
+    return producer, end
+
+
+def _candidates(gm: torch.fx.GraphModule, alignment: int) -> tuple[list[tuple[torch.fx.Node, int, int]], int]:
+    """(node, start, end) of each pooled intermediate, and how many intermediates stay unpooled."""
+    nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    producer, end = _lifetimes(nodes)
+    held: set[Hashable] = set()
+    for node in gm.graph.find_nodes(op="placeholder"):
+        held.update(storages_of(node))
+    for arg in pytree.tree_leaves(gm.graph.output_node().args):
+        if isinstance(arg, torch.fx.Node):
+            held.update(storages_of(arg))
+    chosen, unpooled, device = [], 0, None
+    for key, node in producer.items():
+        if key in held or node.op != "call_function":
+            continue
+        val = _poolable(node)
+        if val is None or storage_key(val) != key or alignment % val.element_size() \
+                or (device is not None and val.device != device):
+            unpooled += 1
+            continue
+        device = val.device
+        chosen.append((node, position[node], end[key]))
+    return chosen, unpooled
+
+
+def _slot(graph: torch.fx.Graph, typed: torch.fx.Node, offset: int, val: torch.Tensor) -> torch.fx.Node:
+    """`as_strided` view of the arena (viewed as `val.dtype`) holding `val` at byte `offset`."""
+    start = offset // val.element_size() + val.storage_offset()
+    slot = graph.call_function(torch.ops.aten.as_strided.default, (typed, list(val.shape), list(val.stride()), start))
+    typed_val = typed.meta.get("val")
+    if typed_val is not None:
+        with typed_val.fake_mode:
+            slot.meta["val"] = typed_val.as_strided(val.shape, val.stride(), start)
+    return slot
+
+
+def _arena(graph: torch.fx.Graph, before: torch.fx.Node, nbytes: int, dtypes: list[torch.dtype],
+           device: torch.device, fake_mode: Any) -> dict[torch.dtype, torch.fx.Node]:
+    """One uint8 `aten.empty` of `nbytes` made just before `before`, and a view of it per dtype."""
+    with graph.inserting_before(before):
+        arena = graph.call_function(torch.ops.aten.empty.memory_format, ([nbytes],),
+                                    {"dtype": torch.uint8, "device": device})
+        typed = {dtype: graph.call_function(torch.ops.aten.view.dtype, (arena, dtype)) for dtype in dtypes}
+    if fake_mode is not None:
+        with fake_mode:
+            arena.meta["val"] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            for dtype, node in typed.items():
+                node.meta["val"] = arena.meta["val"].view(dtype)
+    return typed
+
+
+def pool_graph(gm: torch.fx.GraphModule, *, alignment: int = 64, time_limit_s: float = 2.0) -> torch.fx.GraphModule:
+    """Rewrite `gm` in place so its pooled intermediates live in one arena; returns `gm`.
+
+    The arena (`aten.empty`, uint8) is made just before the first pooled node; its storage is freed
+    when the last view of it dies. Its size is the packing's `arena_bytes`."""
+    chosen, unpooled = _candidates(gm, alignment)
+    sizes = [int(_poolable(n).untyped_storage().nbytes()) for n, _, _ in chosen]
+    packing: Packing = pack_buffers([(s, e, z) for (_, s, e), z in zip(chosen, sizes)], alignment=alignment,
+                                     time_limit_s=time_limit_s)
+    graph, out_count, copied = gm.graph, 0, 0
+    live = [(n, o) for (n, _, _), z, o in zip(chosen, sizes, packing.offsets) if z > 0]
+    if live:
+        first = live[0][0].meta["val"]
+        dtypes = list(dict.fromkeys(n.meta["val"].dtype for n, _ in live))
+        typed = _arena(graph, live[0][0], packing.arena_bytes, dtypes, first.device, getattr(first, "fake_mode", None))
+    for node, offset in live:
+        val, target = node.meta["val"], node.target
+        out = None if torch.Tag.nondeterministic_seeded in target.tags else out_overload(target)
+        with graph.inserting_before(node):
+            slot = _slot(graph, typed[val.dtype], offset, val)
+            if out is not None:
+                new = graph.call_function(out[0], node.args, {**node.kwargs, out[1]: slot})
+        if out is None:
+            with graph.inserting_after(node):
+                new = graph.call_function(torch.ops.aten.copy_.default, (slot, node))
+            node.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
+            copied += 1
+        else:
+            node.replace_all_uses_with(new)
+            new.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "fxmem")})
+            graph.erase_node(node)
+            out_count += 1
+        new.meta["val"] = slot.meta.get("val", val)
+        new.meta["fxmem"] = {**node.meta.get("fxmem", {}), "pool": {"offset": offset, "path": "out" if out else "copy", "of": node.name}}
+    gm.recompile()
+    gm.meta[META_KEY] = PoolStats(
+        no_reuse_bytes=packing.no_reuse_bytes, lower_bound_bytes=packing.lower_bound_bytes,
+        arena_bytes=packing.arena_bytes if live else 0, allocations_avoided=max(0, out_count - 1),
+        pooled=len(live), out_variant=out_count, copied=copied, unpooled=unpooled,
+        solver_status=packing.status, solve_time_s=packing.solve_time_s)
+    return gm
+
+
+def pool_compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+    """An AOTAutograd forward/backward compiler: pool the graph, then run it as `boxed_nop` does."""
+    from torch._dynamo.backends.debugging import boxed_nop
+
+    return boxed_nop(pool_graph(gm), example_inputs)

@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fxmem.capture import capture, flat_graph_inputs, structure_outputs
 from fxmem.cost import DEVICE_PRESETS, DeviceSpec
 from fxmem.errors import GIB
+from fxmem.memory import simulate_step
 from fxmem.plan import Plan
 from fxmem.planner import Planner, PlanRequest
 
@@ -44,7 +45,7 @@ class CompiledStep:
     """One captured graph compiled by AOTAutograd with fxmem's planner as partitioner."""
 
     def __init__(self, model: torch.nn.Module, gm: torch.fx.GraphModule, planner: Planner,
-                 compiler: Callable[..., Any] = boxed_nop):
+                 compiler: Callable[..., Any] = boxed_nop, pool: bool = False):
         self.gm, self.planner = gm, planner
         self.runner = _GraphRunner(gm)
         own = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
@@ -54,7 +55,9 @@ class CompiledStep:
         self.constants = {n: b for n, b in gm.named_buffers() if n not in model_names}
         self.out_spec: pytree.TreeSpec | None = None
         self.out_consts: list[Any] = []
-        self.compiled = aot_function(self._flat_forward, fw_compiler=compiler, bw_compiler=compiler, partition_fn=planner,
+        fw_compiler, bw_compiler = (_pooling(planner, "forward"), _pooling(planner, "backward")) if pool \
+            else (compiler, compiler)
+        self.compiled = aot_function(self._flat_forward, fw_compiler=fw_compiler, bw_compiler=bw_compiler, partition_fn=planner,
                                      num_params_buffers=len(self.state_names) + len(self.constants))
 
     def _flat_forward(self, state: dict[str, torch.Tensor], *flat_inputs: Any) -> list[torch.Tensor]:
@@ -70,6 +73,30 @@ class CompiledStep:
         tensors = iter(self.compiled(graph_state, *flat))
         leaves = [next(tensors) if c is None else c for c in self.out_consts]
         return pytree.tree_unflatten(leaves, self.out_spec)
+
+
+def _pooling(planner: Planner, graph: str) -> Callable[..., Any]:
+    """An AOTAutograd compiler that runs `graph` ("forward"/"backward") with its intermediates in one
+    arena (passes/pool.py) and records the pool's stats on the planner's plan."""
+    from fxmem.passes.pool import pool_compiler, pool_stats
+
+    def compile_graph(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        compiled = pool_compiler(gm, example_inputs)
+        if planner.plan is not None:
+            stats = {**(planner.plan.pool or {}), graph: pool_stats(gm).as_dict()}
+            pooled = getattr(planner, "pooled_graphs", {}) | {graph: gm}
+            planner.pooled_graphs = pooled
+            if len(pooled) == 2:  # the arena is held across its graph: simulate the pooled step
+                peak = simulate_step(pooled["forward"], pooled["backward"], planner.num_fwd_outputs).peak
+                stats["step"] = {"predicted_peak_bytes": peak}
+                if peak > planner.plan.budget_bytes:
+                    log.warning("fxmem: pooled graphs hold their arenas across the graph; the simulated peak "
+                                "%d bytes exceeds the budget %d bytes (unpooled %d)", peak,
+                                planner.plan.budget_bytes, planner.plan.predicted_peak_bytes)
+            planner.plan = dataclasses.replace(planner.plan, pool=stats)
+        return compiled
+
+    return compile_graph
 
 
 def _state(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -110,9 +137,10 @@ def _request(model, args, kwargs, budget_gb, plan, device, solver, time_limit_s)
 
 def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: float | None = None, *,
          example_kwargs: dict[str, Any] | None = None, device: DeviceSpec | str | None = None,
-         solver: str = "cpsat", time_limit_s: float = 10.0) -> Plan:
+         solver: str = "cpsat", time_limit_s: float = 10.0, pool: bool = False) -> Plan:
     """Plan a training step of `model` on `example_inputs` under `budget_gb` without running it
-    (fake tensors only). Without a budget the plan keeps everything (the eager step)."""
+    (fake tensors only). Without a budget the plan keeps everything (the eager step). With `pool`, the
+    plan also reports what pooling the forward and backward graphs into one arena each would give."""
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
     request = _request(model, args, kwargs, budget_gb, None, device, solver, time_limit_s)
     if request.budget_bytes is None:
@@ -120,7 +148,7 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
     if not any(p.requires_grad for _, p in _state(model)):
         raise ValueError("no parameter requires grad: there is no training step to plan")
     planner = Planner(request)
-    step = CompiledStep(model, capture(model, args, kwargs), planner)
+    step = CompiledStep(model, capture(model, args, kwargs), planner, pool=pool)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fake = lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t  # noqa: E731
         state = {k: fake(v) for k, v in _state(model)}
@@ -137,7 +165,7 @@ class OptimizedModule(torch.nn.Module):
     It shares `_parameters`, `_buffers` and `_modules` with the model, so `state_dict` keys are
     unchanged and an optimizer over either module's parameters trains both."""
 
-    def __init__(self, model: torch.nn.Module, make_request: Callable[[tuple, dict], PlanRequest]):
+    def __init__(self, model: torch.nn.Module, make_request: Callable[[tuple, dict], PlanRequest], pool: bool = False):
         super().__init__()
         self._parameters = model._parameters
         self._buffers = model._buffers
@@ -146,6 +174,7 @@ class OptimizedModule(torch.nn.Module):
         object.__setattr__(self, "fxmem_model", model)
         object.__setattr__(self, "_make_request", make_request)
         object.__setattr__(self, "_steps", {})
+        object.__setattr__(self, "_pool", pool)
 
     @property
     def plans(self) -> list[Plan]:
@@ -166,7 +195,7 @@ class OptimizedModule(torch.nn.Module):
         if step is None:
             request = self._make_request(args, kwargs)
             log.info("fxmem: planning %s %s", request.model, request.signature)
-            step = CompiledStep(model, capture(model, args, kwargs), Planner(request))
+            step = CompiledStep(model, capture(model, args, kwargs), Planner(request), pool=self._pool)
             self._steps[key] = step
         return step(dict(_state(model)), args, kwargs)
 
@@ -181,9 +210,11 @@ def _cache_key(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
 
 def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Plan | None = None,
              device: DeviceSpec | str | None = None, solver: str = "cpsat",
-             time_limit_s: float = 10.0) -> OptimizedModule:
+             time_limit_s: float = 10.0, pool: bool = False) -> OptimizedModule:
     """A module that trains like `model` with its step planned under `budget_gb` (planned lazily at the
-    first call, from the real inputs; re-planned per input signature), or running a given `plan`."""
+    first call, from the real inputs; re-planned per input signature), or running a given `plan`.
+    With `pool`, each forward and backward graph allocates one arena for its intermediates
+    (passes/pool.py); the plans in `.plans` then carry the pool's stats."""
     if (budget_gb is None) == (plan is None):
         raise ValueError("pass exactly one of budget_gb= (plan at the first call) or plan= (a Plan made earlier)")
     if plan is not None and not isinstance(plan, Plan):
@@ -196,4 +227,4 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
             request.budget_bytes = plan.budget_bytes
         return request
 
-    return OptimizedModule(model, make_request)
+    return OptimizedModule(model, make_request, pool=pool)

@@ -204,7 +204,7 @@ def pack_buffers(buffers: Sequence[Sequence[int]], *, alignment: int = 64, time_
                 proved.add(g)
             if found is not None and arena_of(found, size[group]) < arena_of(offsets[group], size[group]):
                 offsets[group] = found
-                method = f"cpsat (seeded with {method})"
+                method = method if method.startswith("cpsat") else f"cpsat (seeded with {method})"
     arena = arena_of(offsets, size)
     optimal = arena <= lower or any(g in proved and arena_of(offsets[grp], size[grp]) == arena
                                     for g, grp in enumerate(groups))

@@ -30,10 +30,15 @@ def improve(start: np.ndarray, end: np.ndarray, size: np.ndarray, hint: np.ndarr
     model.add_no_overlap_2d(xs, ys)
     model.add_hint(arena, upper)
     model.minimize(arena)
+    # Bottom-left branching: the offset that can go lowest takes its lowest value, earliest and
+    # largest buffers first. On tight instances it beats CP-SAT's default search by far.
+    order = np.lexsort((-size, start))
+    model.add_decision_strategy([offsets[i] for i in order], cp_model.CHOOSE_LOWEST_MIN, cp_model.SELECT_MIN_VALUE)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.01, float(time_limit_s))
     solver.parameters.num_workers = num_workers
     solver.parameters.random_seed = seed
+    solver.parameters.search_branching = cp_model.FIXED_SEARCH
     code = solver.solve(model)
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None, False

@@ -45,7 +45,7 @@ class CompiledStep:
     """One captured graph compiled by AOTAutograd with fxmem's planner as partitioner."""
 
     def __init__(self, model: torch.nn.Module, gm: torch.fx.GraphModule, planner: Planner,
-                 compiler: Callable[..., Any] = boxed_nop, pool: bool = False):
+                 compiler: Callable[..., Any] = boxed_nop, pool: bool = False, pool_execute: bool = True):
         self.gm, self.planner = gm, planner
         self.runner = _GraphRunner(gm)
         own = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
@@ -55,7 +55,8 @@ class CompiledStep:
         self.constants = {n: b for n, b in gm.named_buffers() if n not in model_names}
         self.out_spec: pytree.TreeSpec | None = None
         self.out_consts: list[Any] = []
-        fw_compiler, bw_compiler = (_pooling(planner, "forward"), _pooling(planner, "backward")) if pool \
+        fw_compiler, bw_compiler = (_pooling(planner, "forward", pool_execute),
+                                    _pooling(planner, "backward", pool_execute)) if pool \
             else (compiler, compiler)
         self.compiled = aot_function(self._flat_forward, fw_compiler=fw_compiler, bw_compiler=bw_compiler, partition_fn=planner,
                                      num_params_buffers=len(self.state_names) + len(self.constants))
@@ -75,13 +76,18 @@ class CompiledStep:
         return pytree.tree_unflatten(leaves, self.out_spec)
 
 
-def _pooling(planner: Planner, graph: str) -> Callable[..., Any]:
+def _pooling(planner: Planner, graph: str, execute: bool = True) -> Callable[..., Any]:
     """An AOTAutograd compiler that runs `graph` ("forward"/"backward") with its intermediates in one
-    arena (passes/pool.py) and records the pool's stats on the planner's plan."""
-    from fxmem.passes.pool import pool_compiler, pool_stats
+    arena (passes/pool.py) and records the pool's stats on the planner's plan. Without `execute`
+    (planning on fake tensors) it pools a copy for the stats and runs the graph as it is."""
+    from fxmem.passes.pool import copy_graph, pool_compiler, pool_graph, pool_stats
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-        compiled = pool_compiler(gm, example_inputs)
+        if execute:
+            compiled = pool_compiler(gm, example_inputs)
+        else:
+            pooled = pool_graph(copy_graph(gm))
+            compiled, gm = boxed_nop(gm, example_inputs), pooled
         if planner.plan is not None:
             stats = {**(planner.plan.pool or {}), graph: pool_stats(gm).as_dict()}
             pooled = getattr(planner, "pooled_graphs", {}) | {graph: gm}
@@ -148,11 +154,15 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
     if not any(p.requires_grad for _, p in _state(model)):
         raise ValueError("no parameter requires grad: there is no training step to plan")
     planner = Planner(request)
-    step = CompiledStep(model, capture(model, args, kwargs), planner, pool=pool)
+    step = CompiledStep(model, capture(model, args, kwargs), planner, pool=pool, pool_execute=False)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fake = lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t  # noqa: E731
         state = {k: fake(v) for k, v in _state(model)}
-        step(state, pytree.tree_map(fake, args), pytree.tree_map(fake, kwargs))
+        out = step(state, pytree.tree_map(fake, args), pytree.tree_map(fake, kwargs))
+        if pool:  # AOTAutograd compiles (so pools, for the stats) the backward graph at the first backward
+            from fxmem.measure import loss_of
+
+            loss_of(out).backward()
     assert planner.plan is not None
     if budget_gb is None:  # report the eager step's own peak as its budget
         return dataclasses.replace(planner.plan, budget_bytes=planner.plan.baseline_peak_bytes)

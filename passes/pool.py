@@ -185,6 +185,13 @@ def pool_graph(gm: torch.fx.GraphModule, *, alignment: int = 64, time_limit_s: f
     return gm
 
 
+def copy_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A new GraphModule with a copy of `gm`'s graph (same submodules and attributes), to pool apart."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return torch.fx.GraphModule(gm, graph)
+
+
 def pool_compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
     """An AOTAutograd forward/backward compiler: pool the graph, then run it as `boxed_nop` does."""
     from torch._dynamo.backends.debugging import boxed_nop

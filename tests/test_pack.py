@@ -108,3 +108,20 @@ def test_bad_options_are_refused(kwargs):
 def test_check_packing_catches_an_overlap():
     with pytest.raises(PackingError, match="overlap"):
         check_packing([0, 1], [2, 3], [10, 10], [0, 5])
+
+
+def test_skyline_search_respects_its_cap():
+    import numpy as np
+
+    from fxmem.solve.pack import live_profile
+    from fxmem.solve.pack_search import skyline_pack
+
+    arr = np.asarray(hard_instance(80, seed=2), dtype=np.int64)
+    start, end, size = arr[:, 0], arr[:, 1], arr[:, 2] // 64
+    lower = int(live_profile(start, end, size)[1].max())
+    free = skyline_pack(start, end, size)
+    check_packing(start, end, size, free)
+    assert skyline_pack(start, end, size, cap=lower - 1) is None  # below the bound: refused at once
+    capped = skyline_pack(start, end, size, cap=int((free + size).max()), node_limit=10_000)
+    assert capped is not None and (capped + size).max() <= (free + size).max()
+    check_packing(start, end, size, capped)

@@ -181,7 +181,7 @@ def pack_buffers(buffers: Sequence[Sequence[int]], *, alignment: int = 64, time_
                  num_workers: int = 2, seed: int = 0) -> Packing:
     """Offsets for `(start, end, size)` buffers (half-open lifetimes) in one arena, as small as found
     within about `time_limit_s`: best-fit heuristics first, then a capped skyline search with
-    backtracking (`fxmem.solve.pack_search`, half the time), then CP-SAT seeded with the best packing,
+    backtracking (`fxmem.solve.pack_search`, 60% of the time), then CP-SAT seeded with the best packing,
     each stopping as soon as the arena equals the lower bound."""
     started = time.perf_counter()
     rows = _validate(buffers, alignment, time_limit_s)
@@ -194,7 +194,7 @@ def pack_buffers(buffers: Sequence[Sequence[int]], *, alignment: int = 64, time_
     if arena_of(offsets, size) > lower and time_limit_s > 0:
         from fxmem.solve.pack_search import skyline_search
 
-        left = time_limit_s / 2 - (time.perf_counter() - started)
+        left = 0.6 * time_limit_s - (time.perf_counter() - started)
         found = skyline_search(start, end, size, lower, offsets, max(0.0, left), seed)
         if arena_of(found, size) < arena_of(offsets, size):
             offsets, method = found, "skyline search"

@@ -12,6 +12,7 @@ import time
 import numpy as np
 
 BIG = 1 << 60
+CHAIN_SECTIONS = 64
 
 
 class _Skyline:
@@ -36,7 +37,7 @@ class _Skyline:
                 self.by_start[self.s[i]].append(int(i))
         self.offsets = np.zeros(len(self.z), dtype=np.int64)
         self.left = int(self.unplaced.sum())
-        self.undo: list[tuple[int, int, int, int]] = []
+        self.undo: list[tuple[int, int, int, int, int]] = []
 
     def fits_above(self, lo: int, hi: int, level: int, skip: int = -1) -> bool:
         """Every unplaced buffer alive in sections [lo, hi) still fits between `level` and the cap."""
@@ -45,24 +46,42 @@ class _Skyline:
             mask[skip] = False
         return not mask.any() or int(self.z[mask].max()) + level <= self.cap
 
-    def alternatives(self) -> list[tuple[int, int, int, int]]:
-        """(kind, buffer or new height, section, height): placements first, then raising the section."""
+    def chains(self, k: int, run: int) -> list[bool]:
+        """chained[x - k]: unplaced buffers can tile sections [x, run) end to end with no waste."""
+        if run - k > CHAIN_SECTIONS:  # a long flat stretch: too costly to look ahead, and rarely decisive
+            return [True] * (run - k + 1)
+        chained = [False] * (run - k + 1)
+        chained[run - k] = True
+        for x in range(run - 1, k - 1, -1):
+            for i in self.by_start[x]:
+                if self.unplaced[i] and self.e[i] <= run and chained[self.e[i] - k]:
+                    chained[x - k] = True
+                    break
+        return chained
+
+    def alternatives(self) -> list[tuple[int, int, int, int, int]]:
+        """(kind, buffer or new height, section, height, end section): placements, then raising sections."""
         height, z, cap = self.height, self.z, self.cap
         k = int(np.argmin(height))
         h = int(height[k])
         run = k + int(np.flatnonzero(height[k:] != h)[0])
-        alts = [(0, i, k, h) for i in self.by_start[k]
+        chained = self.chains(k, run)
+        alts = [(0, i, k, h, k + 1) for i in self.by_start[k]
                 if self.unplaced[i] and self.e[i] <= run and h + z[i] <= cap
                 and self.fits_above(self.s[i], self.e[i], h + int(z[i]), skip=i)]
+        alts.sort(key=lambda alt: not chained[self.e[alt[1]] - k])  # stable: keeps the key order
+        # Waste: raise the flat stretch up to the next section where some buffer could start at h.
+        stop = next((x for x in range(k + 1, run)
+                     if any(self.unplaced[i] and self.e[i] <= run for i in self.by_start[x])), run)
         raised = min(int(height[k - 1]) if k > 0 else BIG, int(height[run]))
         if raised >= BIG:
-            alts.append((1, BIG, k, h))  # no unplaced buffer can reach this section any more
-        elif raised + self.rem[k] <= cap and self.fits_above(k, k + 1, raised):
-            alts.append((1, raised, k, h))
+            alts.append((1, BIG, k, h, stop))  # no unplaced buffer can reach these sections any more
+        elif (raised + self.rem[k:stop] <= cap).all() and self.fits_above(k, stop, raised):
+            alts.append((1, raised, k, h, stop))
         return alts
 
-    def apply(self, alt: tuple[int, int, int, int]) -> None:
-        kind, v, k, h = alt
+    def apply(self, alt: tuple[int, int, int, int, int]) -> None:
+        kind, v, k, h, stop = alt
         self.undo.append(alt)
         if kind == 0:
             s, e = self.s[v], self.e[v]
@@ -72,11 +91,11 @@ class _Skyline:
             self.height[s:e] = h + self.z[v]
             self.rem[s:e] -= self.z[v]
         else:
-            self.height[k] = v
+            self.height[k:stop] = v
 
     def revert(self, to: int) -> None:
         while len(self.undo) > to:
-            kind, v, k, h = self.undo.pop()
+            kind, v, k, h, stop = self.undo.pop()
             if kind == 0:
                 s, e = self.s[v], self.e[v]
                 self.unplaced[v] = True
@@ -84,7 +103,7 @@ class _Skyline:
                 self.height[s:e] = h
                 self.rem[s:e] += self.z[v]
             else:
-                self.height[k] = h
+                self.height[k:stop] = h
 
     def run(self, node_limit: int) -> np.ndarray | None:
         if (self.rem[:-1] > self.cap).any() or (self.z > self.cap).any():
@@ -117,20 +136,21 @@ def skyline_pack(start: np.ndarray, end: np.ndarray, size: np.ndarray, *, cap: i
 
 def skyline_search(start: np.ndarray, end: np.ndarray, size: np.ndarray, lower: int, best: np.ndarray,
                    time_limit_s: float, seed: int = 0) -> np.ndarray:
-    """Lower the arena of `best` by capped skyline searches (restarted with random tie-breaks) until
-    it reaches `lower` or time runs out; returns the best offsets found."""
+    """Lower the arena of `best` until it reaches `lower` or time runs out, alternating uncapped skyline
+    runs with random tie-breaks (cheap, high variance: some land on the bound) and capped searches
+    with backtracking between the bound and the best arena so far; returns the best offsets found."""
     started = time.perf_counter()
     top = lambda off: int((off + size).max(initial=0))  # noqa: E731
-    greedy = skyline_pack(start, end, size)
-    if greedy is not None and top(greedy) < top(best):
-        best = greedy
     rng = np.random.default_rng(seed)
     tries = 0
-    while time.perf_counter() - started < time_limit_s and top(best) > lower:
+    while tries == 0 or (time.perf_counter() - started < time_limit_s and top(best) > lower):
         ub = top(best)
-        cap = (lower + ub) // 2 if tries % 2 == 0 else lower + (ub - lower) * 3 // 4
-        found = skyline_pack(start, end, size, cap=max(lower, min(cap, ub - 1)), node_limit=2 * len(start) + 200,
-                             noise=0.3, seed=int(rng.integers(1 << 31)))
+        if tries % 2 == 0:
+            found = skyline_pack(start, end, size, noise=0.0 if tries == 0 else 1.0, seed=int(rng.integers(1 << 31)))
+        else:
+            cap = (lower + ub) // 2 if tries % 4 == 1 else lower + (ub - lower) * 3 // 4
+            found = skyline_pack(start, end, size, cap=max(lower, min(cap, ub - 1)), node_limit=2 * len(start) + 200,
+                                 noise=0.3, seed=int(rng.integers(1 << 31)))
         tries += 1
         if found is not None and top(found) < ub:
             best = found

@@ -19,7 +19,8 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from fxmem.memory import storage_key, storages_of, tensors_of
+from fxmem.errors import PackingError
+from fxmem.memory import storage_key, storages_of
 from fxmem.solve.pack import Packing, pack_buffers
 
 META_KEY = "fxmem_pool"
@@ -147,6 +148,10 @@ def pool_graph(gm: torch.fx.GraphModule, *, alignment: int = 64, time_limit_s: f
 
     The arena (`aten.empty`, uint8) is made just before the first pooled node; its storage is freed
     when the last view of it dies. Its size is the packing's `arena_bytes`."""
+    if not any(isinstance(n.meta.get("val"), torch.Tensor) for n in gm.graph.nodes if n.op == "call_function"):
+        raise PackingError("pool_graph needs node.meta['val'] (fake tensors) on the graph's nodes to size and "
+                           "place intermediates; pass a graph from AOTAutograd or fxmem.capture, or run "
+                           "torch.fx.passes.fake_tensor_prop.FakeTensorProp on it first")
     chosen, unpooled = _candidates(gm, alignment)
     sizes = [int(_poolable(n).untyped_storage().nbytes()) for n, _, _ in chosen]
     packing: Packing = pack_buffers([(s, e, z) for (_, s, e), z in zip(chosen, sizes)], alignment=alignment,
@@ -189,6 +194,7 @@ def copy_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A new GraphModule with a copy of `gm`'s graph (same submodules and attributes), to pool apart."""
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
+    graph.set_codegen(gm.graph._codegen)  # keeps pytree calling conventions (make_fx, export)
     return torch.fx.GraphModule(gm, graph)
 
 

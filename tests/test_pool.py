@@ -11,7 +11,7 @@ import fxmem
 from fxmem import models
 from fxmem.capture import capture
 from fxmem.measure import measure_peak_bytes
-from fxmem.passes.pool import out_overload, pool_graph, pool_stats
+from fxmem.passes.pool import copy_graph, out_overload, pool_graph, pool_stats
 from fxmem.planner import Planner, PlanRequest
 from fxmem.runtime import CompiledStep, _state
 from tests.conftest import assert_trains_like
@@ -19,17 +19,11 @@ from tests.conftest import assert_trains_like
 TINY = ["mlp-tiny", "gpt-tiny", "resnet-tiny", "unet-tiny"]
 
 
-def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    graph = torch.fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    return torch.fx.GraphModule(gm, graph)
-
-
 def _compare_compiler(seen: list):
     """An AOTAutograd compiler that runs the pooled copy of each graph next to the graph itself."""
 
     def compile_graph(gm, _example_inputs):
-        pooled = pool_graph(_copy(gm), time_limit_s=2.0)
+        pooled = pool_graph(copy_graph(gm), time_limit_s=2.0)
 
         def run(args):
             args = list(args)
@@ -86,7 +80,7 @@ def test_pooled_values_live_in_the_arena():
     CompiledStep(model, capture(model, inputs, {}), Planner(PlanRequest(budget_bytes=2**62)),
                  compiler=grab)(dict(_state(model)), inputs, {})
     gm, args = graphs[0]
-    pooled = pool_graph(_copy(gm))
+    pooled = pool_graph(copy_graph(gm))
     env: dict = {}
 
     class Keep(torch.fx.Interpreter):
@@ -125,3 +119,30 @@ def test_optimize_with_pool_trains_like_eager(name):
     # The pooled step's simulated peak (arenas held across their graphs) is what MemTracker sees.
     measured = measure_peak_bytes(pooled, inputs)
     assert abs(plan.pool["step"]["predicted_peak_bytes"] - measured) <= 0.01 * measured
+
+
+def test_graph_without_fake_values_is_refused():
+    gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
+    with pytest.raises(fxmem.FxmemError, match="meta\\['val'\\]"):
+        pool_graph(gm)
+
+
+def test_pooled_inference_graph_matches():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    torch.manual_seed(0)
+    model = models.from_name("resnet-tiny").eval()
+    x = models.example_inputs("resnet-tiny")[0]
+    params = dict(model.named_parameters()) | dict(model.named_buffers())
+
+    def infer(p, x):
+        return torch.func.functional_call(model, p, (x,))
+
+    with torch.no_grad():
+        gm = make_fx(infer, tracing_mode="fake")(params, x)
+        want = gm(params, x)
+        pooled = pool_graph(copy_graph(gm))
+        got = pooled(params, x)
+    stats = pool_stats(pooled)
+    assert stats.pooled > 0 and stats.arena_bytes == stats.lower_bound_bytes
+    assert torch.equal(got, want) and torch.equal(want, model(x).detach())

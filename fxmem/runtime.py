@@ -45,7 +45,7 @@ class CompiledStep:
     """One captured graph compiled by AOTAutograd with fxmem's planner as partitioner."""
 
     def __init__(self, model: torch.nn.Module, gm: torch.fx.GraphModule, planner: Planner,
-                 compiler: Callable[..., Any] = boxed_nop, pool: bool = False, pool_execute: bool = True):
+                 compiler: Callable[..., Any] = boxed_nop, pool: bool | str = False, pool_execute: bool = True):
         self.gm, self.planner = gm, planner
         self.runner = _GraphRunner(gm)
         own = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
@@ -55,8 +55,8 @@ class CompiledStep:
         self.constants = {n: b for n, b in gm.named_buffers() if n not in model_names}
         self.out_spec: pytree.TreeSpec | None = None
         self.out_consts: list[Any] = []
-        fw_compiler, bw_compiler = (_pooling(planner, "forward", pool_execute),
-                                    _pooling(planner, "backward", pool_execute)) if pool \
+        fw_compiler, bw_compiler = (_pooling(planner, "forward", pool_execute, pool != "all"),
+                                    _pooling(planner, "backward", pool_execute, pool != "all")) if pool \
             else (compiler, compiler)
         self.compiled = aot_function(self._flat_forward, fw_compiler=fw_compiler, bw_compiler=bw_compiler, partition_fn=planner,
                                      num_params_buffers=len(self.state_names) + len(self.constants))
@@ -76,17 +76,20 @@ class CompiledStep:
         return pytree.tree_unflatten(leaves, self.out_spec)
 
 
-def _pooling(planner: Planner, graph: str, execute: bool = True) -> Callable[..., Any]:
+def _pooling(planner: Planner, graph: str, execute: bool = True, keep_peak: bool = True) -> Callable[..., Any]:
     """An AOTAutograd compiler that runs `graph` ("forward"/"backward") with its intermediates in one
     arena (passes/pool.py) and records the pool's stats on the planner's plan. Without `execute`
-    (planning on fake tensors) it pools a copy for the stats and runs the graph as it is."""
+    (planning on fake tensors) it pools a copy for the stats and runs the graph as it is. With
+    `keep_peak`, intermediates whose pooling would raise the graph's peak stay with the allocator."""
     from fxmem.passes.pool import copy_graph, pool_compiler, pool_graph, pool_stats
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        # AOTAutograd's backward frees saved values as it goes; its forward's inputs stay with the caller.
+        options = {"inputs_freed": graph == "backward", "keep_peak": keep_peak}
         if execute:
-            compiled = pool_compiler(gm, example_inputs)
+            compiled = pool_compiler(gm, example_inputs, **options)
         else:
-            pooled = pool_graph(copy_graph(gm))
+            pooled = pool_graph(copy_graph(gm), **options)
             compiled, gm = boxed_nop(gm, example_inputs), pooled
         if planner.plan is not None:
             stats = {**(planner.plan.pool or {}), graph: pool_stats(gm).as_dict()}
@@ -143,10 +146,11 @@ def _request(model, args, kwargs, budget_gb, plan, device, solver, time_limit_s)
 
 def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: float | None = None, *,
          example_kwargs: dict[str, Any] | None = None, device: DeviceSpec | str | None = None,
-         solver: str = "cpsat", time_limit_s: float = 10.0, pool: bool = False) -> Plan:
+         solver: str = "cpsat", time_limit_s: float = 10.0, pool: bool | str = False) -> Plan:
     """Plan a training step of `model` on `example_inputs` under `budget_gb` without running it
     (fake tensors only). Without a budget the plan keeps everything (the eager step). With `pool`, the
-    plan also reports what pooling the forward and backward graphs into one arena each would give."""
+    plan also reports what pooling the forward and backward graphs into one arena each would give
+    (`pool=True`: the intermediates whose pooling does not raise the graph's peak; `pool="all"`: all)."""
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
     request = _request(model, args, kwargs, budget_gb, None, device, solver, time_limit_s)
     if request.budget_bytes is None:
@@ -175,7 +179,8 @@ class OptimizedModule(torch.nn.Module):
     It shares `_parameters`, `_buffers` and `_modules` with the model, so `state_dict` keys are
     unchanged and an optimizer over either module's parameters trains both."""
 
-    def __init__(self, model: torch.nn.Module, make_request: Callable[[tuple, dict], PlanRequest], pool: bool = False):
+    def __init__(self, model: torch.nn.Module, make_request: Callable[[tuple, dict], PlanRequest],
+                 pool: bool | str = False):
         super().__init__()
         self._parameters = model._parameters
         self._buffers = model._buffers
@@ -220,11 +225,12 @@ def _cache_key(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, An
 
 def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Plan | None = None,
              device: DeviceSpec | str | None = None, solver: str = "cpsat",
-             time_limit_s: float = 10.0, pool: bool = False) -> OptimizedModule:
+             time_limit_s: float = 10.0, pool: bool | str = False) -> OptimizedModule:
     """A module that trains like `model` with its step planned under `budget_gb` (planned lazily at the
     first call, from the real inputs; re-planned per input signature), or running a given `plan`.
     With `pool`, each forward and backward graph allocates one arena for its intermediates
-    (passes/pool.py); the plans in `.plans` then carry the pool's stats."""
+    (passes/pool.py): `pool=True` those whose pooling does not raise the graph's peak, `pool="all"`
+    every one; the plans in `.plans` then carry the pool's stats."""
     if (budget_gb is None) == (plan is None):
         raise ValueError("pass exactly one of budget_gb= (plan at the first call) or plan= (a Plan made earlier)")
     if plan is not None and not isinstance(plan, Plan):

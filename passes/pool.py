@@ -15,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Hashable
 
+import numpy as np
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
@@ -30,7 +31,9 @@ META_KEY = "fxmem_pool"
 class PoolStats:
     """What pooling one graph did. Bytes: `no_reuse_bytes` (one allocation per pooled intermediate,
     all alive at once), `lower_bound_bytes` (most pooled bytes alive at one node), `arena_bytes` (the
-    one arena). `allocations_avoided`: allocator calls no longer made (`.out` writes minus the arena)."""
+    one arena). `allocations_avoided`: allocator calls no longer made (`.out` writes minus the arena).
+    `unpooled`: intermediates that cannot be pooled (multi-output ops...); `kept_for_peak`: poolable
+    ones left to the allocator because pooling them would raise the graph's peak."""
 
     no_reuse_bytes: int
     lower_bound_bytes: int
@@ -40,6 +43,7 @@ class PoolStats:
     out_variant: int
     copied: int
     unpooled: int
+    kept_for_peak: int
     solver_status: str
     solve_time_s: float
 
@@ -92,29 +96,89 @@ def _lifetimes(nodes: list[torch.fx.Node]) -> tuple[dict[Hashable, torch.fx.Node
     return producer, end
 
 
-def _candidates(gm: torch.fx.GraphModule, alignment: int) -> tuple[list[tuple[torch.fx.Node, int, int]], int]:
-    """(node, start, end) of each pooled intermediate, and how many intermediates stay unpooled."""
+def _candidates(gm: torch.fx.GraphModule, alignment: int, inputs_freed: bool
+                ) -> tuple[list[tuple[torch.fx.Node, int, int]], int, list[tuple[int, int, int]]]:
+    """(node, start, end) of each poolable intermediate, how many intermediates cannot be pooled, and
+    (start, end, bytes) of every other storage the graph makes (outputs held to the end)."""
     nodes = list(gm.graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     producer, end = _lifetimes(nodes)
     held: set[Hashable] = set()
+    inputs: list[tuple[int, int, int]] = []
     for node in gm.graph.find_nodes(op="placeholder"):
-        held.update(storages_of(node))
+        for key, nbytes in storages_of(node).items():
+            if key not in held:
+                inputs.append((0, end[key] if inputs_freed else len(nodes), nbytes))
+            held.add(key)
     for arg in pytree.tree_leaves(gm.graph.output_node().args):
         if isinstance(arg, torch.fx.Node):
             held.update(storages_of(arg))
-    chosen, unpooled, device = [], 0, None
+    chosen, unpooled, device, others = [], 0, None, inputs
     for key, node in producer.items():
-        if key in held or node.op != "call_function":
+        if node.op != "call_function":
+            continue
+        if key in held:
+            others.append((position[node], len(nodes), _bytes_of(node, key)))
             continue
         val = _poolable(node)
         if val is None or storage_key(val) != key or alignment % val.element_size() \
                 or (device is not None and val.device != device):
             unpooled += 1
+            others.append((position[node], end[key], _bytes_of(node, key)))
             continue
         device = val.device
         chosen.append((node, position[node], end[key]))
-    return chosen, unpooled
+    return chosen, unpooled, others
+
+
+def _bytes_of(node: torch.fx.Node, key: Hashable) -> int:
+    return storages_of(node).get(key, 0)
+
+
+def _profile(buffers: list[tuple[int, int, int]], steps: int) -> np.ndarray:
+    delta = np.zeros(steps + 1, dtype=np.int64)
+    for s, e, z in buffers:
+        delta[s] += z
+        delta[e] -= z
+    return np.cumsum(delta)[:-1]
+
+
+def _trim(buffers: list[tuple[int, int, int]], others: list[tuple[int, int, int]], steps: int) -> list[bool]:
+    """Which buffers to pool. The arena is held from the first pooled value to the last, so pooling a
+    buffer alive when the pooled bytes peak can raise the graph's own peak; drop such buffers (one at
+    a time, the best first) while that lowers the peak of: other storages + dropped buffers + arena."""
+    base = _profile(others, steps)
+    keep = [True] * len(buffers)
+
+    def peak(keep: list[bool]) -> tuple[int, np.ndarray]:
+        pooled = _profile([b for b, k in zip(buffers, keep) if k], steps)
+        total = base + _profile([b for b, k in zip(buffers, keep) if not k], steps)
+        kept = [b for b, k in zip(buffers, keep) if k]
+        if kept:
+            total[min(b[0] for b in kept):max(b[1] for b in kept)] += int(pooled.max())
+        return int(total.max(initial=0)), pooled
+
+    current, pooled = peak(keep)
+    best_keep, best_peak, sideways = keep, current, 0
+    while any(keep) and sideways < 64:  # a plateau of equal peaks may hide a lower one beyond it
+        t = int(pooled.argmax())
+        move = None
+        for i, (s, e, _) in enumerate(buffers):
+            if keep[i] and s <= t < e:
+                trial = keep.copy()
+                trial[i] = False
+                value = peak(trial)
+                if move is None or value[0] < move[1][0]:
+                    move = (i, value)
+        if move is None or move[1][0] > current:
+            break
+        keep = keep.copy()
+        keep[move[0]] = False
+        current, pooled = move[1]
+        sideways = sideways + 1 if current >= best_peak else 0
+        if current < best_peak:
+            best_keep, best_peak = keep, current
+    return best_keep
 
 
 def _slot(graph: torch.fx.Graph, typed: torch.fx.Node, offset: int, val: torch.Tensor) -> torch.fx.Node:
@@ -126,6 +190,23 @@ def _slot(graph: torch.fx.Graph, typed: torch.fx.Node, offset: int, val: torch.T
         with typed_val.fake_mode:
             slot.meta["val"] = typed_val.as_strided(val.shape, val.stride(), start)
     return slot
+
+
+def _refresh_aliases(node: torch.fx.Node, old_key: Hashable) -> None:
+    """Recompute the fake values of `node`'s views (transitively), so they share the arena's storage as
+    the real tensors will (the memory simulator counts storages)."""
+    for user in list(node.users):
+        leaves = [t for t in pytree.tree_leaves(user.meta.get("val")) if isinstance(t, torch.Tensor)]
+        if user.op != "call_function" or not any(storage_key(t) == old_key for t in leaves):
+            continue
+        fake_mode = getattr(leaves[0], "fake_mode", None)
+        args, kwargs = pytree.tree_map_only(torch.fx.Node, lambda n: n.meta.get("val"), (user.args, user.kwargs))
+        try:
+            with fake_mode if fake_mode is not None else contextlib.nullcontext():
+                user.meta["val"] = user.target(*args, **kwargs)
+        except Exception:  # the value stays as traced: only the simulator's byte count is affected
+            continue
+        _refresh_aliases(user, old_key)
 
 
 def _arena(graph: torch.fx.Graph, before: torch.fx.Node, nbytes: int, dtypes: list[torch.dtype],
@@ -143,8 +224,12 @@ def _arena(graph: torch.fx.Graph, before: torch.fx.Node, nbytes: int, dtypes: li
     return typed
 
 
-def pool_graph(gm: torch.fx.GraphModule, *, alignment: int = 64, time_limit_s: float = 2.0) -> torch.fx.GraphModule:
-    """Rewrite `gm` in place so its pooled intermediates live in one arena; returns `gm`.
+def pool_graph(gm: torch.fx.GraphModule, *, alignment: int = 64, time_limit_s: float = 2.0,
+               keep_peak: bool = False, inputs_freed: bool = False) -> torch.fx.GraphModule:
+    """Rewrite `gm` in place so its pooled intermediates live in one arena; returns `gm`. With
+    `keep_peak`, intermediates whose pooling would raise the graph's own peak stay with the allocator;
+    `inputs_freed` says the graph frees each input after its last use (an AOTAutograd backward graph
+    with boxed inputs) rather than its caller holding them, which moves that peak.
 
     The arena (`aten.empty`, uint8) is made just before the first pooled node; its storage is freed
     when the last view of it dies. Its size is the packing's `arena_bytes`."""
@@ -152,8 +237,13 @@ def pool_graph(gm: torch.fx.GraphModule, *, alignment: int = 64, time_limit_s: f
         raise PackingError("pool_graph needs node.meta['val'] (fake tensors) on the graph's nodes to size and "
                            "place intermediates; pass a graph from AOTAutograd or fxmem.capture, or run "
                            "torch.fx.passes.fake_tensor_prop.FakeTensorProp on it first")
-    chosen, unpooled = _candidates(gm, alignment)
+    chosen, unpooled, others = _candidates(gm, alignment, inputs_freed)
     sizes = [int(_poolable(n).untyped_storage().nbytes()) for n, _, _ in chosen]
+    dropped = 0
+    if keep_peak:
+        keep = _trim([(s, e, z) for (_, s, e), z in zip(chosen, sizes)], others, len(gm.graph.nodes))
+        dropped = keep.count(False)
+        chosen, sizes = [c for c, k in zip(chosen, keep) if k], [z for z, k in zip(sizes, keep) if k]
     packing: Packing = pack_buffers([(s, e, z) for (_, s, e), z in zip(chosen, sizes)], alignment=alignment,
                                      time_limit_s=time_limit_s)
     graph, out_count, copied = gm.graph, 0, 0
@@ -164,6 +254,7 @@ def pool_graph(gm: torch.fx.GraphModule, *, alignment: int = 64, time_limit_s: f
         typed = _arena(graph, live[0][0], packing.arena_bytes, dtypes, first.device, getattr(first, "fake_mode", None))
     for node, offset in live:
         val, target = node.meta["val"], node.target
+        old_key = storage_key(val)
         out = None if torch.Tag.nondeterministic_seeded in target.tags else out_overload(target)
         with graph.inserting_before(node):
             slot = _slot(graph, typed[val.dtype], offset, val)
@@ -180,12 +271,13 @@ def pool_graph(gm: torch.fx.GraphModule, *, alignment: int = 64, time_limit_s: f
             graph.erase_node(node)
             out_count += 1
         new.meta["val"] = slot.meta.get("val", val)
+        _refresh_aliases(new, old_key)
         new.meta["fxmem"] = {**node.meta.get("fxmem", {}), "pool": {"offset": offset, "path": "out" if out else "copy", "of": node.name}}
     gm.recompile()
     gm.meta[META_KEY] = PoolStats(
         no_reuse_bytes=packing.no_reuse_bytes, lower_bound_bytes=packing.lower_bound_bytes,
         arena_bytes=packing.arena_bytes if live else 0, allocations_avoided=max(0, out_count - 1),
-        pooled=len(live), out_variant=out_count, copied=copied, unpooled=unpooled,
+        pooled=len(live), out_variant=out_count, copied=copied, unpooled=unpooled, kept_for_peak=dropped,
         solver_status=packing.status, solve_time_s=packing.solve_time_s)
     return gm
 
@@ -198,8 +290,8 @@ def copy_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(gm, graph)
 
 
-def pool_compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+def pool_compiler(gm: torch.fx.GraphModule, example_inputs: Any, **options: Any) -> Any:
     """An AOTAutograd forward/backward compiler: pool the graph, then run it as `boxed_nop` does."""
     from torch._dynamo.backends.debugging import boxed_nop
 
-    return boxed_nop(pool_graph(gm), example_inputs)
+    return boxed_nop(pool_graph(gm, **options), example_inputs)

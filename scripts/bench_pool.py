@@ -4,6 +4,7 @@ the offset planner on hard generated instances. Prints markdown tables (tabulate
     python scripts/bench_pool.py --quick                  # tiny presets, small hard instances (< 2 min)
     python scripts/bench_pool.py                          # also realistic presets; 100, 500, 2000 buffers
     python scripts/bench_pool.py --models gpt-tiny --sizes 100 500 --time-limit 10
+    python scripts/bench_pool.py --pool-all --sizes           # pool every intermediate; zoo only
 
 Zoo figures come from planning on fake tensors (`fxmem.plan(..., pool=True)`), per forward and
 backward graph; the allocator column runs the step on a GPU (`torch.cuda.max_memory_reserved`)
@@ -27,7 +28,7 @@ TINY = [("mlp-tiny", 1024), ("gpt-tiny", None), ("resnet-tiny", None), ("unet-ti
 REALISTIC = [("gpt-small", 8), ("resnet18", 8), ("unet-small", 4)]
 
 
-def _reserved_peak(name: str, batch: int | None, pool: bool) -> str:
+def _reserved_peak(name: str, batch: int | None, pool: bool | str) -> str:
     if not torch.cuda.is_available():
         return "n/a (no GPU)"
     torch.manual_seed(0)
@@ -45,13 +46,13 @@ def _reserved_peak(name: str, batch: int | None, pool: bool) -> str:
     return fmt_bytes(torch.cuda.max_memory_reserved())
 
 
-def zoo_rows(names: list[tuple[str, int | None]], time_limit_s: float) -> list[list]:
+def zoo_rows(names: list[tuple[str, int | None]], time_limit_s: float, pool: bool | str) -> list[list]:
     rows = []
     for name, batch in names:
         torch.manual_seed(0)
         model, inputs = models.from_name(name), models.example_inputs(name, batch)
         started = time.perf_counter()
-        plan = fxmem.plan(model, inputs, pool=True, time_limit_s=time_limit_s)
+        plan = fxmem.plan(model, inputs, pool=pool, time_limit_s=time_limit_s)
         elapsed = time.perf_counter() - started
         label = f"{name} ({inputs[0].shape[0]})"
         for graph in ("forward", "backward"):
@@ -62,7 +63,7 @@ def zoo_rows(names: list[tuple[str, int | None]], time_limit_s: float) -> list[l
         pooled_peak = plan.pool["step"]["predicted_peak_bytes"]
         rows.append([label, "step peak", "", "", f"{fmt_bytes(plan.predicted_peak_bytes)} unpooled, "
                      f"{fmt_bytes(pooled_peak)} pooled ({(pooled_peak / plan.predicted_peak_bytes - 1) * 100:+.1f}%)",
-                     f"allocator reserved: {_reserved_peak(name, batch, False)} / {_reserved_peak(name, batch, True)}",
+                     f"allocator reserved: {_reserved_peak(name, batch, False)} / {_reserved_peak(name, batch, pool)}",
                      "", f"plan {elapsed:.1f} s"])
     return rows
 
@@ -92,6 +93,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", nargs="*", help="zoo presets (default: tiny, plus realistic without --quick)")
     parser.add_argument("--sizes", nargs="*", type=int, help="hard-instance sizes (default 100 500 2000)")
     parser.add_argument("--seeds", nargs="*", type=int, default=[0, 1], help="hard-instance seeds")
+    parser.add_argument("--pool-all", action="store_true",
+                        help="pool every intermediate (pool=\"all\"), not only those that keep each graph's peak")
     parser.add_argument("--time-limit", type=float, default=10.0, help="seconds per packing (default 10)")
     args = parser.parse_args(argv)
     names = [(m, None) for m in args.models] if args.models is not None else TINY + ([] if args.quick else REALISTIC)
@@ -102,7 +105,9 @@ def main(argv: list[str] | None = None) -> None:
     if names:
         headers = ["model (batch)", "graph", "no reuse", "lower bound", "arena", "pooled values",
                    "allocations avoided", "solve"]
-        print(tabulate(zoo_rows(names, limit), headers=headers, tablefmt="github"), "\n")
+        pool = "all" if args.pool_all else True
+        print(f"fxmem.plan(..., pool={pool!r}): per graph, and the step's simulated peak\n")
+        print(tabulate(zoo_rows(names, limit, pool), headers=headers, tablefmt="github"), "\n")
     if sizes:
         headers = ["buffers", "seed", "lower bound", "largest-first best-fit", "best heuristic", "pack_buffers",
                    "status", "time"]

@@ -146,3 +146,15 @@ def test_pooled_inference_graph_matches():
     stats = pool_stats(pooled)
     assert stats.pooled > 0 and stats.arena_bytes == stats.lower_bound_bytes
     assert torch.equal(got, want) and torch.equal(want, model(x).detach())
+
+
+def test_keep_peak_pools_less_and_never_raises_the_step_more():
+    torch.manual_seed(0)
+    model, inputs = models.from_name("resnet-tiny"), models.example_inputs("resnet-tiny")
+    every = fxmem.plan(model, inputs, pool="all")
+    kept = fxmem.plan(model, inputs, pool=True)
+    assert every.pool["backward"]["kept_for_peak"] == 0
+    assert kept.pool["backward"]["kept_for_peak"] > 0
+    assert kept.pool["backward"]["pooled"] < every.pool["backward"]["pooled"]
+    assert kept.pool["step"]["predicted_peak_bytes"] <= every.pool["step"]["predicted_peak_bytes"]
+    assert every.pool["step"]["predicted_peak_bytes"] > every.predicted_peak_bytes  # the arena is held

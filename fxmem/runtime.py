@@ -58,7 +58,8 @@ class CompiledStep:
         fw_compiler, bw_compiler = (_pooling(planner, "forward", pool_execute, pool != "all"),
                                     _pooling(planner, "backward", pool_execute, pool != "all")) if pool \
             else (compiler, compiler)
-        self.compiled = aot_function(self._flat_forward, fw_compiler=fw_compiler, bw_compiler=bw_compiler, partition_fn=planner,
+        self.compiled = aot_function(self._flat_forward, fw_compiler=fw_compiler, bw_compiler=bw_compiler,
+                                     partition_fn=planner,
                                      num_params_buffers=len(self.state_names) + len(self.constants))
 
     def _flat_forward(self, state: dict[str, torch.Tensor], *flat_inputs: Any) -> list[torch.Tensor]:
@@ -126,6 +127,13 @@ def signature_of(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, 
     return f"({', '.join(parts)}){'' if model.training else ' eval'}"
 
 
+def check_pool(pool: Any) -> bool | str:
+    """`pool` must be False, True or "all"."""
+    if pool not in (False, True, "all") or (not isinstance(pool, (bool, str))):
+        raise ValueError(f"pool must be False, True (pool what keeps each graph's peak) or \"all\", got {pool!r}")
+    return pool
+
+
 def budget_bytes(budget_gb: float | None) -> int | None:
     """GiB -> bytes, refusing anything but a positive number."""
     if budget_gb is None:
@@ -152,6 +160,7 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
     plan also reports what pooling the forward and backward graphs into one arena each would give
     (`pool=True`: the intermediates whose pooling does not raise the graph's peak; `pool="all"`: all)."""
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+    check_pool(pool)
     request = _request(model, args, kwargs, budget_gb, None, device, solver, time_limit_s)
     if request.budget_bytes is None:
         request.budget_bytes = 2**62
@@ -236,6 +245,7 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"plan must be an fxmem.Plan (see fxmem.Plan.load), got {type(plan).__name__}")
     budget_bytes(budget_gb)
+    check_pool(pool)
 
     def make_request(args: tuple, kwargs: dict) -> PlanRequest:
         request = _request(model, args, kwargs, budget_gb, plan, device, solver, time_limit_s)

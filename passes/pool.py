@@ -272,7 +272,8 @@ def pool_graph(gm: torch.fx.GraphModule, *, alignment: int = 64, time_limit_s: f
             out_count += 1
         new.meta["val"] = slot.meta.get("val", val)
         _refresh_aliases(new, old_key)
-        new.meta["fxmem"] = {**node.meta.get("fxmem", {}), "pool": {"offset": offset, "path": "out" if out else "copy", "of": node.name}}
+        tag = {"offset": offset, "path": "out" if out else "copy", "of": node.name}
+        new.meta["fxmem"] = {**node.meta.get("fxmem", {}), "pool": tag}
     gm.recompile()
     gm.meta[META_KEY] = PoolStats(
         no_reuse_bytes=packing.no_reuse_bytes, lower_bound_bytes=packing.lower_bound_bytes,

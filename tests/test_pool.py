@@ -158,3 +158,9 @@ def test_keep_peak_pools_less_and_never_raises_the_step_more():
     assert kept.pool["backward"]["pooled"] < every.pool["backward"]["pooled"]
     assert kept.pool["step"]["predicted_peak_bytes"] <= every.pool["step"]["predicted_peak_bytes"]
     assert every.pool["step"]["predicted_peak_bytes"] > every.predicted_peak_bytes  # the arena is held
+
+
+@pytest.mark.parametrize("bad", ["yes", 1.0, None])
+def test_bad_pool_option_is_refused(bad):
+    with pytest.raises(ValueError, match="pool must be"):
+        fxmem.optimize(torch.nn.Linear(2, 2), budget_gb=1.0, pool=bad)

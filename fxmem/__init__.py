@@ -12,6 +12,7 @@ from fxmem.runtime import OptimizedModule, optimize, plan
 from fxmem.estimate import Estimate, estimate
 from fxmem.capacity import max_batch_size
 from fxmem.check import check_plan
+from fxmem.solve.pack import Packing, pack_buffers
 
 __version__ = "0.1.0"
 
@@ -19,4 +20,5 @@ __all__ = [
     "plan", "optimize", "capture", "Plan", "DeviceSpec", "HostLink", "OptimizedModule",
     "FxmemError", "InfeasibleBudgetError", "TraceError", "PlanMismatchError", "__version__",
     "estimate", "Estimate", "max_batch_size", "check_plan",
+    "pack_buffers", "Packing",
 ]

@@ -58,3 +58,7 @@ class TraceError(FxmemError, RuntimeError):
 
 class PlanMismatchError(FxmemError, ValueError):
     """A plan was applied to a model, input signature or version it was not made for."""
+
+
+class PackingError(FxmemError, ValueError):
+    """Buffers given to the offset planner (`fxmem.pack_buffers`) are malformed."""

@@ -43,6 +43,7 @@ class Plan:
     torch_version: str
     breakdown: dict[str, int] = field(default_factory=dict)
     nodes: tuple[dict[str, Any], ...] = ()
+    pool: dict[str, dict[str, Any]] | None = None  # per graph ("forward", "backward"): passes.pool.PoolStats
     fxmem_version: str = FXMEM_VERSION
     schema_version: int = SCHEMA_VERSION
     offload: tuple[str, ...] = ()  # saved values copied to host memory and back

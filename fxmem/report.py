@@ -75,6 +75,13 @@ def summary_rows(plan: Any) -> list[list[str]]:
         ["solver", f"{plan.solver}: {plan.solver_status}, gap {plan.solver_gap * 100:.2f}%, "
                    f"{plan.solve_time_s:.2f} s"],
     ]
+    for graph, stats in (getattr(plan, "pool", None) or {}).items():
+        if "arena_bytes" not in stats:
+            rows.append(["pooled step peak (simulated)", fmt_bytes(stats.get("predicted_peak_bytes", 0))])
+            continue
+        rows.append([f"pooled {graph} arena", f"{fmt_bytes(stats['arena_bytes'])} (lower bound "
+                     f"{fmt_bytes(stats['lower_bound_bytes'])}, no reuse {fmt_bytes(stats['no_reuse_bytes'])}), "
+                     f"{stats['allocations_avoided']} allocations avoided"])
     return rows
 
 

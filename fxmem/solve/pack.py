@@ -1,0 +1,225 @@
+"""Offset planner: place buffers with known lifetimes in one arena so that buffers alive at the same
+time never share a byte (dynamic storage allocation with known lifetimes).
+
+Reads `(start, end, size)` triples (half-open lifetimes `[start, end)` in steps, sizes in bytes);
+returns a frozen `Packing`. Torch-free: best-fit heuristics here, a skyline search
+(`fxmem.solve.pack_search`), then OR-Tools CP-SAT (`fxmem.solve.pack_cpsat`) seeded with the best
+packing, until the lower bound is reached or time runs out.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from fxmem.errors import PackingError
+
+_BIG = np.int64(1) << 60
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Offsets (bytes, one per buffer, in input order) into an arena of `arena_bytes`.
+
+    Sizes are rounded up to `alignment` before packing, so every offset is a multiple of it.
+    `lower_bound_bytes` is the most (aligned) bytes alive at one time: no packing is smaller.
+    `no_reuse_bytes` is what one allocation per buffer would take. `status` is "optimal" when the
+    arena equals the bound (or CP-SAT proved it optimal), else "feasible"."""
+
+    offsets: tuple[int, ...]
+    arena_bytes: int
+    lower_bound_bytes: int
+    no_reuse_bytes: int
+    alignment: int
+    status: str
+    method: str
+    solve_time_s: float
+
+    @property
+    def gap(self) -> float:
+        """How far the arena is above the lower bound, as a fraction of the bound."""
+        return (self.arena_bytes - self.lower_bound_bytes) / self.lower_bound_bytes if self.lower_bound_bytes else 0.0
+
+
+def _validate(buffers: Sequence[Sequence[int]], alignment: int, time_limit_s: float) -> np.ndarray:
+    if isinstance(alignment, bool) or not isinstance(alignment, (int, np.integer)) or alignment <= 0:
+        raise PackingError(f"alignment must be a positive integer number of bytes, got {alignment!r}")
+    if not isinstance(time_limit_s, (int, float)) or not time_limit_s >= 0:
+        raise PackingError(f"time_limit_s must be a non-negative number of seconds, got {time_limit_s!r}")
+    rows = []
+    for i, buf in enumerate(buffers):
+        try:
+            start, end, size = buf
+        except (TypeError, ValueError):
+            raise PackingError(f"buffer {i} is {buf!r}; each buffer must be a (start, end, size) triple") from None
+        for what, v in (("start", start), ("end", end), ("size", size)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise PackingError(f"buffer {i}: {what} must be an integer, got {v!r}")
+        if size < 0:
+            raise PackingError(f"buffer {i}: size {size} is negative; sizes are bytes >= 0")
+        if end <= start:
+            raise PackingError(f"buffer {i}: lifetime [{start}, {end}) is empty; lifetimes are half-open "
+                               "[start, end) with end > start (a value used only where it is made has end = start + 1)")
+        rows.append((int(start), int(end), int(size)))
+    return np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+
+
+def live_profile(start: np.ndarray, end: np.ndarray, size: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(times, live) where live[k] is the total size alive during [times[k], times[k+1])."""
+    times = np.unique(np.concatenate([start, end]))
+    delta = np.zeros(len(times) + 1, dtype=np.int64)
+    np.add.at(delta, np.searchsorted(times, start), size)
+    np.add.at(delta, np.searchsorted(times, end), -size)
+    return times, np.cumsum(delta)[:-1]
+
+
+def components(start: np.ndarray, end: np.ndarray) -> list[np.ndarray]:
+    """Groups of buffers whose lifetimes chain together; groups never overlap in time."""
+    order = np.argsort(start, kind="stable")
+    groups, current, reach = [], [], None
+    for i in order:
+        if current and start[i] >= reach:
+            groups.append(np.asarray(current))
+            current, reach = [], None
+        current.append(i)
+        reach = end[i] if reach is None else max(reach, end[i])
+    if current:
+        groups.append(np.asarray(current))
+    return groups
+
+
+def place(order: Sequence[int], start: np.ndarray, end: np.ndarray, size: np.ndarray, rule: str = "best"
+          ) -> np.ndarray:
+    """Place buffers one by one in `order`, each in a gap left by the already placed buffers alive at the
+    same time: the smallest gap it fits ("best") or the lowest ("first"); above them all if none fits."""
+    n = len(start)
+    offsets = np.zeros(n, dtype=np.int64)
+    ps, pe, po, pz = (np.empty(n, dtype=np.int64) for _ in range(4))
+    k = 0
+    for i in order:
+        z = size[i]
+        if z == 0:
+            continue
+        mask = (ps[:k] < end[i]) & (pe[:k] > start[i])
+        lo = po[:k][mask]
+        if lo.size:
+            hi = lo + pz[:k][mask]
+            idx = np.argsort(lo, kind="stable")
+            lo, hi = lo[idx], hi[idx]
+            gap_lo = np.concatenate(([0], np.maximum.accumulate(hi)))
+            room = np.concatenate((lo, [_BIG])) - gap_lo
+            fits = np.flatnonzero(room >= z)
+            j = fits[np.argmin(room[fits])] if rule == "best" else fits[0]
+            offsets[i] = gap_lo[j]
+        ps[k], pe[k], po[k], pz[k] = start[i], end[i], offsets[i], z
+        k += 1
+    return offsets
+
+
+def arena_of(offsets: np.ndarray, size: np.ndarray) -> int:
+    return int((offsets + size).max(initial=0))
+
+
+def heuristic_orders(start: np.ndarray, end: np.ndarray, size: np.ndarray) -> dict[str, np.ndarray]:
+    """Placement orders worth trying: largest first, longest-lived first, largest area first,
+    earliest first; ties broken by the other keys."""
+    length = end - start
+    return {
+        "largest-first": np.lexsort((start, -length, -size)),
+        "longest-first": np.lexsort((start, -size, -length)),
+        "area-first": np.lexsort((start, -size, -size * length)),
+        "earliest-first": np.lexsort((-size, -length, start)),
+    }
+
+
+def best_heuristic(start: np.ndarray, end: np.ndarray, size: np.ndarray, time_limit_s: float = 1.0,
+                   seed: int = 0) -> tuple[np.ndarray, str]:
+    """The smallest arena over the named orders and both gap rules, then over random perturbations of the
+    best order while `time_limit_s` lasts. Returns (offsets, name of the winning order and rule)."""
+    started = time.perf_counter()
+    best: tuple[int, np.ndarray, str, np.ndarray] | None = None
+    target = int(live_profile(start, end, size)[1].max(initial=0))
+    for name, order in heuristic_orders(start, end, size).items():
+        for rule in ("best", "first"):
+            offsets = place(order, start, end, size, rule)
+            arena = arena_of(offsets, size)
+            if best is None or arena < best[0]:
+                best = (arena, offsets, f"{name} {rule}-fit", order)
+            if best[0] <= target:
+                return best[1], best[2]
+    assert best is not None
+    rng = np.random.default_rng(seed)
+    # Perturb the best order: random keys blended with its ranks (a cheap iterated greedy).
+    while time.perf_counter() - started < time_limit_s and best[0] > target:
+        ranks = np.empty(len(start), dtype=np.float64)
+        ranks[best[3]] = np.arange(len(start))
+        order = np.argsort(ranks + rng.normal(0, max(1.0, 0.05 * len(start)), len(start)), kind="stable")
+        offsets = place(order, start, end, size, "best")
+        arena = arena_of(offsets, size)
+        if arena < best[0]:
+            best = (arena, offsets, best[2].split(" +")[0] + " +perturbed", order)
+    return best[1], best[2]
+
+
+def check_packing(start: Sequence[int], end: Sequence[int], size: Sequence[int], offsets: Sequence[int]) -> None:
+    """Raise PackingError naming two buffers alive at the same time whose byte ranges overlap."""
+    s, e, z, o = (np.asarray(a, dtype=np.int64) for a in (start, end, size, offsets))
+    if (o < 0).any():
+        raise PackingError(f"buffer {int(np.flatnonzero(o < 0)[0])} has a negative offset")
+    for i in range(len(s)):
+        j = np.arange(i + 1, len(s))
+        clash = (s[j] < e[i]) & (e[j] > s[i]) & (o[j] < o[i] + z[i]) & (o[j] + z[j] > o[i]) & (z[j] > 0) & (z[i] > 0)
+        if clash.any():
+            k = int(j[clash][0])
+            raise PackingError(f"buffers {i} and {k} are alive at the same time and overlap in memory: "
+                               f"[{o[i]}, {o[i] + z[i]}) and [{o[k]}, {o[k] + z[k]})")
+
+
+def pack_buffers(buffers: Sequence[Sequence[int]], *, alignment: int = 64, time_limit_s: float = 10.0,
+                 num_workers: int = 2, seed: int = 0) -> Packing:
+    """Offsets for `(start, end, size)` buffers (half-open lifetimes) in one arena, as small as found
+    within about `time_limit_s`: best-fit heuristics first, then a capped skyline search with
+    backtracking (`fxmem.solve.pack_search`, 60% of the time), then CP-SAT seeded with the best packing,
+    each stopping as soon as the arena equals the lower bound."""
+    started = time.perf_counter()
+    rows = _validate(buffers, alignment, time_limit_s)
+    start, end, raw = rows[:, 0], rows[:, 1], rows[:, 2]
+    units = -(-raw // alignment)  # sizes in alignment units, rounded up
+    scale = int(np.gcd.reduce(units[units > 0])) if (units > 0).any() else 1
+    size = units // scale
+    lower = int(live_profile(start, end, size)[1].max(initial=0))
+    offsets, method = best_heuristic(start, end, size, min(1.0, time_limit_s / 10), seed)
+    if arena_of(offsets, size) > lower and time_limit_s > 0:
+        from fxmem.solve.pack_search import skyline_search
+
+        left = 0.6 * time_limit_s - (time.perf_counter() - started)
+        found = skyline_search(start, end, size, lower, offsets, max(0.0, left), seed)
+        if arena_of(found, size) < arena_of(offsets, size):
+            offsets, method = found, "skyline search"
+    proved: set[int] = set()  # groups CP-SAT proved optimal
+    groups = components(start, end)
+    if arena_of(offsets, size) > lower and time_limit_s > 0:
+        from fxmem.solve.pack_cpsat import improve
+
+        for g, group in enumerate(groups):
+            left = time_limit_s - (time.perf_counter() - started)
+            if arena_of(offsets[group], size[group]) <= lower or left <= 0:
+                continue
+            found, optimal = improve(start[group], end[group], size[group], offsets[group], target=lower,
+                                     time_limit_s=left, num_workers=num_workers, seed=seed)
+            if optimal:
+                proved.add(g)
+            if found is not None and arena_of(found, size[group]) < arena_of(offsets[group], size[group]):
+                offsets[group] = found
+                method = method if method.startswith("cpsat") else f"cpsat (seeded with {method})"
+    arena = arena_of(offsets, size)
+    optimal = arena <= lower or any(g in proved and arena_of(offsets[grp], size[grp]) == arena
+                                    for g, grp in enumerate(groups))
+    status = "optimal" if optimal else "feasible"
+    check_packing(start, end, size, offsets)
+    unit = alignment * scale
+    return Packing(offsets=tuple(int(o) * unit for o in offsets), arena_bytes=arena * unit,
+                   lower_bound_bytes=lower * unit, no_reuse_bytes=int(size.sum()) * unit, alignment=alignment,
+                   status=status, method=method, solve_time_s=time.perf_counter() - started)

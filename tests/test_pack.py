@@ -1,0 +1,127 @@
+"""fxmem.pack_buffers: no two buffers alive together share a byte, alignment, the lower bound, bad input."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import fxmem
+from fxmem.errors import PackingError
+from fxmem.solve.pack import check_packing
+from fxmem.solve.pack_gen import hard_instance
+
+
+def _no_overlap(buffers, packing, alignment):
+    for i, (s1, e1, z1) in enumerate(buffers):
+        o1 = packing.offsets[i]
+        assert o1 % alignment == 0
+        assert o1 + z1 <= packing.arena_bytes
+        for j in range(i + 1, len(buffers)):
+            s2, e2, z2 = buffers[j]
+            o2 = packing.offsets[j]
+            if s1 < e2 and s2 < e1 and z1 and z2:
+                assert o1 + z1 <= o2 or o2 + z2 <= o1, f"buffers {i} and {j} overlap"
+
+
+def _live_max(buffers, alignment):
+    steps = sorted({t for s, e, _ in buffers for t in (s, e)})
+    return max(sum(-(-z // alignment) * alignment for s, e, z in buffers if s <= t < e) for t in steps)
+
+
+def _random(n, seed, horizon=50, max_size=5000):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        s = rng.randrange(horizon)
+        out.append((s, s + rng.randint(1, 12), rng.randint(0, max_size)))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("alignment", [1, 64, 512])
+def test_random_buffers_never_overlap_and_respect_alignment(seed, alignment):
+    buffers = _random(60, seed)
+    packing = fxmem.pack_buffers(buffers, alignment=alignment, time_limit_s=1.0)
+    assert len(packing.offsets) == len(buffers)
+    _no_overlap(buffers, packing, alignment)
+    assert packing.lower_bound_bytes == _live_max(buffers, alignment)
+    assert packing.arena_bytes >= packing.lower_bound_bytes
+    assert packing.no_reuse_bytes == sum(-(-z // alignment) * alignment for _, _, z in buffers)
+
+
+def test_easy_instances_reach_the_lower_bound():
+    chain = [(i, i + 2, 1000 * (1 + i % 3)) for i in range(20)]  # each value feeds the next
+    packing = fxmem.pack_buffers(chain, time_limit_s=1.0)
+    assert packing.arena_bytes == packing.lower_bound_bytes and packing.status == "optimal"
+    _no_overlap(chain, packing, 64)
+
+
+def test_disjoint_lifetimes_share_one_slot():
+    buffers = [(0, 1, 4096), (1, 2, 4096), (2, 3, 100)]
+    packing = fxmem.pack_buffers(buffers)
+    assert packing.offsets == (0, 0, 0) and packing.arena_bytes == 4096
+
+
+def test_hard_generator_has_a_tight_known_optimum():
+    buffers = hard_instance(200, seed=3, height_units=500)
+    packing = fxmem.pack_buffers(buffers, time_limit_s=0.0)  # heuristics only
+    assert packing.lower_bound_bytes == 500 * 64  # the tiles fill every step
+    _no_overlap(buffers, packing, 64)
+
+
+def test_hard_instance_within_five_percent_of_the_bound():
+    buffers = hard_instance(100, seed=1)
+    heuristic = fxmem.pack_buffers(buffers, time_limit_s=0.0)
+    assert heuristic.arena_bytes > 1.05 * heuristic.lower_bound_bytes, "the instance should be hard for best-fit"
+    packing = fxmem.pack_buffers(buffers, time_limit_s=5.0)
+    _no_overlap(buffers, packing, 64)
+    assert packing.arena_bytes <= 1.05 * packing.lower_bound_bytes, packing
+
+
+def test_empty_and_zero_size():
+    assert fxmem.pack_buffers([]).arena_bytes == 0
+    packing = fxmem.pack_buffers([(0, 3, 0), (1, 2, 10)])
+    assert packing.arena_bytes == 64 and packing.offsets[1] == 0
+
+
+@pytest.mark.parametrize("buffers, words", [
+    ([(0, 2, -1)], "negative"),
+    ([(3, 3, 10)], "empty"),
+    ([(4, 2, 10)], "empty"),
+    ([(0, 1)], "triple"),
+    ([(0, 1.5, 8)], "integer"),
+    (["abc"], "integer"),
+])
+def test_bad_buffers_are_refused_with_the_buffer_named(buffers, words):
+    with pytest.raises(PackingError, match=words) as info:
+        fxmem.pack_buffers(buffers)
+    assert "buffer 0" in str(info.value)
+    assert isinstance(info.value, fxmem.FxmemError)
+
+
+@pytest.mark.parametrize("kwargs", [{"alignment": 0}, {"alignment": -64}, {"time_limit_s": -1}])
+def test_bad_options_are_refused(kwargs):
+    with pytest.raises(PackingError):
+        fxmem.pack_buffers([(0, 1, 8)], **kwargs)
+
+
+def test_check_packing_catches_an_overlap():
+    with pytest.raises(PackingError, match="overlap"):
+        check_packing([0, 1], [2, 3], [10, 10], [0, 5])
+
+
+def test_skyline_search_respects_its_cap():
+    import numpy as np
+
+    from fxmem.solve.pack import live_profile
+    from fxmem.solve.pack_search import skyline_pack
+
+    arr = np.asarray(hard_instance(80, seed=2), dtype=np.int64)
+    start, end, size = arr[:, 0], arr[:, 1], arr[:, 2] // 64
+    lower = int(live_profile(start, end, size)[1].max())
+    free = skyline_pack(start, end, size)
+    check_packing(start, end, size, free)
+    assert skyline_pack(start, end, size, cap=lower - 1) is None  # below the bound: refused at once
+    capped = skyline_pack(start, end, size, cap=int((free + size).max()), node_limit=10_000)
+    assert capped is not None and (capped + size).max() <= (free + size).max()
+    check_packing(start, end, size, capped)

@@ -9,10 +9,12 @@ from fxmem.cost import DeviceSpec
 from fxmem.errors import FxmemError, InfeasibleBudgetError, PlanMismatchError, TraceError
 from fxmem.plan import Plan
 from fxmem.runtime import OptimizedModule, optimize, plan
+from fxmem import pipeline
+from fxmem.pipeline import pipeline_stage
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "plan", "optimize", "capture", "Plan", "DeviceSpec", "OptimizedModule",
+    "plan", "optimize", "pipeline_stage", "capture", "Plan", "DeviceSpec", "OptimizedModule",
     "FxmemError", "InfeasibleBudgetError", "TraceError", "PlanMismatchError", "__version__",
 ]

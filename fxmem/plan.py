@@ -43,6 +43,9 @@ class Plan:
     torch_version: str
     breakdown: dict[str, int] = field(default_factory=dict)
     nodes: tuple[dict[str, Any], ...] = ()
+    stages: tuple[dict[str, Any], ...] = ()  # pipeline stages (fxmem.pipeline); empty for one device
+    stage_balance: float | None = None  # slowest stage / lower bound
+    pipeline: dict[str, Any] = field(default_factory=dict)  # cuts, schedule, inputs, graph fingerprint
     fxmem_version: str = FXMEM_VERSION
     schema_version: int = SCHEMA_VERSION
 
@@ -87,7 +90,7 @@ class Plan:
         unknown = set(data) - names
         if unknown:
             raise PlanMismatchError(f"{source} has fields this fxmem does not know: {sorted(unknown)}")
-        for key in ("recompute", "saved", "nodes"):
+        for key in ("recompute", "saved", "nodes", "stages"):
             data[key] = tuple(data.get(key, ()))
         return cls(**data)
 

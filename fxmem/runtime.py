@@ -109,11 +109,19 @@ def _request(model, args, kwargs, budget_gb, plan, device, solver, time_limit_s)
 
 def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: float | None = None, *,
          example_kwargs: dict[str, Any] | None = None, device: DeviceSpec | str | None = None,
-         solver: str = "cpsat", time_limit_s: float = 10.0) -> Plan:
+         solver: str = "cpsat", time_limit_s: float = 10.0, num_stages: int | None = None,
+         schedule: str = "1f1b", n_microbatches: int | None = None, optimizer: str | float | None = None) -> Plan:
     """Plan a training step of `model` on `example_inputs` under `budget_gb` without running it
-    (fake tensors only). Without a budget the plan keeps everything (the eager step)."""
+    (fake tensors only). Without a budget the plan keeps everything (the eager step).
+    With `num_stages`, `example_inputs` is one microbatch and `budget_gb` is per pipeline stage:
+    see `fxmem.pipeline` (`schedule` "1f1b" or "gpipe", `n_microbatches`, `optimizer` state)."""
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
     request = _request(model, args, kwargs, budget_gb, None, device, solver, time_limit_s)
+    if num_stages is not None:
+        from fxmem.pipeline import PipelineRequest, plan_pipeline
+
+        return plan_pipeline(model, args, kwargs, request,
+                             PipelineRequest(num_stages, schedule, n_microbatches, optimizer))
     if request.budget_bytes is None:
         request.budget_bytes = 2**62
     if not any(p.requires_grad for _, p in _state(model)):

@@ -1,0 +1,413 @@
+"""Pipeline parallelism: choose stage boundaries with the stage solver, run them on torch.distributed.pipelining.
+
+`plan_pipeline` (called by `fxmem.plan(..., num_stages=S)`) captures the model, costs AOTAutograd's
+joint graph on fake tensors, sums forward+backward seconds and saved bytes per unit of the captured
+graph, solves `fxmem.solve.stages`, and plans recompute inside any stage that only fits with it
+(`fxmem.plan` on that stage's module). `pipeline_stage` rebuilds one stage on a rank and wraps it in
+a `PipelineStage`. Reads the model and inputs; writes nothing to disk.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+
+from fxmem.capture import capture
+from fxmem.errors import FxmemError, InfeasibleBudgetError, PlanMismatchError, fmt_bytes
+from fxmem.passes.shard import Unit, crossing, split_stages, tag_units, value_bytes
+from fxmem.plan import Plan
+from fxmem.solve.stages import StagePlan, StageProblem, solve_stages
+
+# Optimizer state per parameter byte (fp32 state for fp32 parameters).
+OPTIMIZER_STATE = {"sgd": 0.0, "sgd-momentum": 1.0, "adam": 2.0, "adamw": 2.0, "adagrad": 1.0, "rmsprop": 1.0}
+# Bytes/s between neighbouring stages: gloo over loopback on CPU, NVLink-class links on GPUs.
+LINK_BYTES_PER_S = {"cpu": 5e9}
+DEFAULT_LINK_BYTES_PER_S = 100e9
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineRequest:
+    num_stages: int
+    schedule: str = "1f1b"
+    n_microbatches: int | None = None
+    optimizer: str | float | None = None
+
+
+def optimizer_bytes_per_param_byte(optimizer: str | float | None) -> float:
+    if optimizer is None:
+        return 0.0
+    if isinstance(optimizer, (int, float)) and not isinstance(optimizer, bool) and optimizer >= 0:
+        return float(optimizer)
+    if isinstance(optimizer, str) and optimizer.lower() in OPTIMIZER_STATE:
+        return OPTIMIZER_STATE[optimizer.lower()]
+    raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATE)} or the optimizer state's bytes per "
+                     f"parameter byte (a number >= 0), got {optimizer!r}")
+
+
+def _source(node: torch.fx.Node, names: set[str]) -> str | None:
+    """The captured-graph node a joint forward node was traced from (`meta["from_node"]` provenance)."""
+    todo = list(node.meta.get("from_node") or ())
+    while todo:
+        src = todo.pop(0)
+        if src.name in names:
+            return src.name
+        todo.extend(getattr(src, "from_node", None) or ())
+    return None
+
+
+def unit_costs(joint: torch.fx.GraphModule, gm: torch.fx.GraphModule, num_units: int):
+    """Per unit: forward seconds, backward seconds, bytes saved for backward, from the joint graph's
+    `meta["fxmem"]["cost"]`. Backward nodes follow their forward node through `meta["seq_nr"]`."""
+    unit_by_name = {n.name: n.meta["fxmem"]["unit"] for n in gm.graph.nodes if "unit" in n.meta.get("fxmem", {})}
+    names = set(unit_by_name)
+    fwd, bwd, saved = [0.0] * num_units, [0.0] * num_units, [0] * num_units
+    by_seq: dict[int, int] = {}
+    backward = []
+    for node in joint.graph.nodes:
+        cost = node.meta.get("fxmem", {}).get("cost")
+        if cost is None:
+            continue
+        if node.meta.get("partitioner_tag") == "is_backward":
+            backward.append((node, cost))
+            continue
+        src = _source(node, names)
+        if src is None:
+            continue
+        u = unit_by_name[src]
+        fwd[u] += cost.seconds
+        saved[u] += cost.saved_bytes
+        if "seq_nr" in node.meta:
+            by_seq.setdefault(node.meta["seq_nr"], u)
+    for node, cost in backward:
+        u = by_seq.get(node.meta.get("seq_nr"))
+        if u is not None:
+            bwd[u] += cost.seconds
+    return fwd, bwd, saved
+
+
+def _unit_params(gm: torch.fx.GraphModule, model: torch.nn.Module, num_units: int):
+    """Parameters each unit reads, by the model's own (deduplicated) names."""
+    canonical = {id(p): name for name, p in model.named_parameters()}
+    readers: dict[str, set[int]] = {}
+    sizes: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and _is_param(gm, node.target):
+            params, users = [gm.get_parameter(node.target)], list(node.users)
+        elif node.op == "call_module" and "unit" in node.meta.get("fxmem", {}):
+            params, users = list(gm.get_submodule(node.target).parameters()), [node]
+        else:
+            continue
+        for value in params:
+            if id(value) not in canonical:
+                continue
+            name = canonical[id(value)]
+            sizes[name] = value.numel() * value.element_size()
+            for user in users:
+                if "unit" in user.meta.get("fxmem", {}):
+                    readers.setdefault(name, set()).add(user.meta["fxmem"]["unit"])
+    return readers, sizes
+
+
+def _is_param(gm: torch.fx.GraphModule, target: str) -> bool:
+    try:
+        gm.get_parameter(target)
+        return True
+    except AttributeError:
+        return False
+
+
+def build_problem(gm, model, units: list[Unit], joint, *, budget_bytes, request: PipelineRequest,
+                  device_name: str, n_microbatches: int) -> tuple[StageProblem, dict[str, set[int]]]:
+    n = len(units)
+    fwd, bwd, saved = unit_costs(joint, gm, n)
+    readers, sizes = _unit_params(gm, model, n)
+    own = [0] * n
+    shared = []
+    for name in sorted(readers):
+        users = tuple(sorted(readers[name]))
+        if len(users) == 1:
+            own[users[0]] += sizes[name]
+        else:
+            shared.append((sizes[name], users))
+    cuts = crossing(gm, n)
+    cut_bytes = tuple(sum(value_bytes(v) for v in c) for c in cuts)
+    entry = [0] * n  # what a checkpointed unit keeps: the values it reads from before it
+    for u in range(1, n):
+        entry[u] = cut_bytes[u - 1]
+    entry[0] = sum(value_bytes(p) for p in gm.graph.find_nodes(op="placeholder"))
+    problem = StageProblem(
+        names=tuple(u.label for u in units), time_s=tuple(f + b for f, b in zip(fwd, bwd)),
+        param_bytes=tuple(own), act_bytes=tuple(saved), cut_bytes=cut_bytes,
+        num_stages=request.num_stages, budget_bytes=budget_bytes, schedule=request.schedule,
+        n_microbatches=n_microbatches, recompute_s=tuple(fwd), ckpt_bytes=tuple(entry), shared=tuple(shared),
+        opt_bytes_per_param_byte=optimizer_bytes_per_param_byte(request.optimizer),
+        link_bytes_per_s=LINK_BYTES_PER_S.get(device_name, DEFAULT_LINK_BYTES_PER_S))
+    return problem, readers
+
+
+def captured_fingerprint(gm: torch.fx.GraphModule) -> str:
+    """Hash of (name, op, target, shape, dtype) per node of a captured graph, the same in every process
+    (targets by qualified name: a built-in's repr holds its address)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for node in gm.graph.nodes:
+        target = node.target if isinstance(node.target, str) else torch.fx.node._get_qualified_name(node.target)
+        val = node.meta.get("val")
+        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
+        dtype = str(val.dtype) if isinstance(val, torch.Tensor) else type(val).__name__
+        digest.update(f"{node.name}|{node.op}|{target}|{shape}|{dtype}\n".encode())
+    return digest.hexdigest()[:32]
+
+
+def _input_specs(args: Sequence[Any]) -> list[dict[str, Any]]:
+    specs = []
+    for i, x in enumerate(args):
+        if not isinstance(x, torch.Tensor):
+            raise FxmemError(f"pipeline planning takes tensor inputs only; input {i} is {type(x).__name__}. "
+                             "Bind other arguments in the model (functools.partial or a wrapper module)")
+        specs.append({"shape": list(x.shape), "dtype": str(x.dtype).replace("torch.", "")})
+    return specs
+
+
+def _example(spec: dict[str, Any], requires_grad: bool = False) -> torch.Tensor:
+    t = torch.zeros(spec["shape"], dtype=getattr(torch, spec["dtype"]))
+    return t.requires_grad_(requires_grad and t.is_floating_point())
+
+
+def _eager_plan_and_joint(model, args, kwargs, request):
+    """The whole model's eager plan (one microbatch) and the joint graph it was made from."""
+    import torch.utils._pytree as pytree
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fxmem.planner import Planner
+    from fxmem.runtime import CompiledStep, _state
+
+    class Recorder(Planner):
+        def __call__(self, joint, inputs, **kw):
+            self.joint = joint
+            return super().__call__(joint, inputs, **kw)
+
+    recorder = Recorder(dataclasses.replace(request, budget_bytes=2**62))
+    gm = capture(model, args, kwargs)
+    step = CompiledStep(model, gm, recorder)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        step({k: fake(v) for k, v in _state(model)}, pytree.tree_map(fake, args), pytree.tree_map(fake, kwargs))
+    return recorder.plan, recorder.joint, gm
+
+
+def plan_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict, plan_request, request: PipelineRequest) -> Plan:
+    """The pipeline Plan: the whole model's eager plan for one microbatch, plus stages, balance and
+    the recompute plans of stages that only fit with recompute."""
+    if kwargs:
+        raise FxmemError(f"pipeline planning takes positional inputs only, got keyword inputs {sorted(kwargs)}: "
+                         "the first stage receives the schedule's positional microbatch arguments")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("no parameter requires grad: there is no training step to plan")
+    _input_specs(args)
+    budget_bytes, time_limit_s, solver = plan_request.budget_bytes, plan_request.time_limit_s, plan_request.solver
+    base, joint, gm = _eager_plan_and_joint(model, args, kwargs, plan_request)
+    if request.schedule not in ("1f1b", "gpipe"):
+        raise ValueError(f"schedule must be '1f1b' or 'gpipe', got {request.schedule!r}")
+    units = tag_units(gm, model)
+    m = request.n_microbatches or request.num_stages
+    problem, readers = build_problem(gm, model, units, joint, budget_bytes=budget_bytes, request=request,
+                                     device_name=base.device, n_microbatches=m)
+    if problem.num_stages > problem.num_units:
+        raise ValueError(f"num_stages={problem.num_stages} but the model has only {problem.num_units} units "
+                         f"to place ({', '.join(problem.names)}); use fewer stages")
+    solved = solve_stages(problem)
+    modules = split_stages(gm, list(solved.cuts), problem.num_units) if any(s.checkpoint for s in solved.stages) else None
+    cuts = crossing(gm, problem.num_units)
+    stages = []
+    for k, st in enumerate(solved.stages):
+        params = sorted(name for name, users in readers.items() if any(st.first <= u <= st.last for u in users))
+        row = {"index": k, "modules": [u.label for u in units[st.first:st.last + 1]],
+               "nodes": [n for u in units[st.first:st.last + 1] for n in u.nodes],
+               "parameters": params, "param_bytes": st.param_bytes, "activation_bytes": st.act_bytes,
+               "in_flight": st.in_flight, "predicted_peak_bytes": st.memory_bytes, "time_s": st.time_s,
+               "compute_s": st.compute_s, "transfer_s": st.transfer_s, "sends": [n.name for n in cuts[st.last]]
+               if st.last < problem.num_units - 1 else [], "recompute": st.checkpoint, "plan": None}
+        if st.checkpoint:
+            row["plan"] = _stage_recompute_plan(modules[k], k, st, problem, cuts, args, budget_bytes,
+                                                time_limit_s, solver)
+            row["predicted_peak_bytes"] = _stage_memory(row["plan"], st, problem, cuts)
+        stages.append(row)
+    shared = sorted(name for name, users in readers.items()
+                    if sum(any(s.first <= u <= s.last for u in users) for s in solved.stages) > 1)
+    info = {"num_stages": problem.num_stages, "schedule": problem.schedule, "n_microbatches": m,
+            "optimizer": request.optimizer, "lower_bound_s": solved.lower_bound_s, "slowest_s": solved.slowest_s,
+            "first_units": list(solved.cuts), "num_units": problem.num_units, "units": list(problem.names),
+            "graph_fingerprint": captured_fingerprint(gm), "inputs": _input_specs(args), "shared_parameters": shared,
+            "link_bytes_per_s": problem.link_bytes_per_s, "unit_time_s": list(problem.time_s),
+            "unit_recompute_s": list(problem.recompute_s), "unit_param_bytes": list(problem.param_bytes),
+            "unit_act_bytes": list(problem.act_bytes), "unit_ckpt_bytes": list(problem.ckpt_bytes),
+            "cut_bytes": list(problem.cut_bytes), "shared": [[size, list(users)] for size, users in problem.shared],
+            "opt_bytes_per_param_byte": problem.opt_bytes_per_param_byte, "budget_bytes": budget_bytes}
+    peak = max(s["predicted_peak_bytes"] for s in stages)
+    return dataclasses.replace(base, budget_bytes=int(budget_bytes) if budget_bytes is not None else peak,
+                               predicted_peak_bytes=peak, stages=tuple(stages),
+                               stage_balance=solved.balance, pipeline=info)
+
+
+def _stage_inputs(k: int, problem: StageProblem, cuts, args: tuple, first: int) -> list[torch.Tensor]:
+    if k == 0:
+        return [torch.zeros_like(a) for a in args]
+    vals = [n.meta["val"] for n in cuts[first - 1]]
+    return [torch.zeros(v.shape, dtype=v.dtype).requires_grad_(v.is_floating_point()) for v in vals]
+
+
+def _stage_recompute_plan(module, k, st, problem, cuts, args, budget_bytes, time_limit_s, solver) -> dict:
+    """fxmem's recompute plan for one stage's step, under the budget left once the other microbatches
+    in flight keep what a checkpointed stage keeps for them."""
+    from fxmem.runtime import plan as make_plan
+
+    held = (st.in_flight - 1) * (st.act_bytes + (problem.cut_bytes[st.first - 1] if st.first else 0))
+    opt = int(st.param_bytes * problem.opt_bytes_per_param_byte)
+    step_budget = budget_bytes - held - opt
+    try:
+        if step_budget <= 0:
+            raise InfeasibleBudgetError(budget_bytes, budget_bytes - step_budget)
+        plan = make_plan(module, _stage_inputs(k, problem, cuts, args, st.first), budget_gb=step_budget / 2**30,
+                         time_limit_s=time_limit_s, solver=solver)
+    except InfeasibleBudgetError as exc:
+        need = exc.min_budget_bytes + held + opt
+        raise InfeasibleBudgetError(budget_bytes, need, {
+            f"stage {k} ({problem.names[st.first]} .. {problem.names[st.last]}) step with recompute":
+                exc.min_budget_bytes, f"{st.in_flight - 1} more microbatches in flight": held,
+            "optimizer state": opt}) from None
+    return json.loads(plan.to_json())
+
+
+def _stage_memory(plan_dict: dict, st, problem: StageProblem, cuts) -> int:
+    held = (st.in_flight - 1) * (st.act_bytes + (problem.cut_bytes[st.first - 1] if st.first else 0))
+    return plan_dict["predicted_peak_bytes"] + held + int(st.param_bytes * problem.opt_bytes_per_param_byte)
+
+
+def stage_modules(model: torch.nn.Module, plan: Plan) -> list[torch.fx.GraphModule]:
+    """Every stage's module, rebuilt from the model as the plan says (checks the graph is the same)."""
+    info = plan.pipeline
+    if not info:
+        raise PlanMismatchError("this plan has no pipeline stages; make it with fxmem.plan(..., num_stages=S)")
+    args = [_example(spec) for spec in info["inputs"]]
+    gm = capture(model, args)
+    units = tag_units(gm, model)
+    if captured_fingerprint(gm) != info["graph_fingerprint"] or len(units) != info["num_units"]:
+        raise PlanMismatchError(f"the pipeline plan was made for another graph (model {plan.model}); make the plan "
+                                "again for this model, configuration and torch version")
+    return split_stages(gm, info["first_units"], len(units))
+
+
+def pipeline_stage(model: torch.nn.Module, plan: Plan, stage_index: int, device: torch.device | str,
+                   group: Any = None):
+    """This rank's `torch.distributed.pipelining.PipelineStage`. The stage module holds `model`'s own
+    parameters under their original names (`stage.submod.meta["fxmem_param_names"]`); where the plan
+    recomputes inside the stage, the module is `fxmem.optimize(stage module, plan=stage plan)`."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from fxmem.runtime import optimize
+
+    num_stages = plan.pipeline.get("num_stages", 0) if plan.pipeline else 0
+    if not 0 <= stage_index < max(num_stages, 1) or not num_stages:
+        raise ValueError(f"stage_index {stage_index} is not a stage of this plan ({num_stages} stages)")
+    module = stage_gm = stage_modules(model, plan)[stage_index].to(device)
+    names = module.meta["fxmem_param_names"]
+    stage_plan = plan.stages[stage_index].get("plan")
+    if stage_plan:
+        module = optimize(module, plan=Plan.from_json(json.dumps(stage_plan)))
+    # Static shapes from the plan (one microbatch): PipelineStage then skips its shape inference, which
+    # runs the stage on uninitialised tensors (integer ids or targets there would be out of range).
+    ins, outs = _stage_io(stage_gm, stage_index > 0)
+    stage = PipelineStage(module, stage_index, num_stages, torch.device(device), input_args=ins, output_args=outs,
+                          group=group)
+    stage.fxmem_param_names = names
+    stage.fxmem_shared = {name: model.get_parameter(name) for name in plan.pipeline["shared_parameters"]}
+    return stage
+
+
+def _stage_io(gm: torch.fx.GraphModule, receives: bool) -> tuple[tuple, tuple]:
+    """Meta tensors shaped like a stage's inputs and outputs for one microbatch."""
+    def meta(node: Any, grad: bool = False) -> torch.Tensor:
+        v = node.meta["val"]
+        t = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+        return t.requires_grad_(grad and t.is_floating_point())
+
+    ins = tuple(meta(n, receives) for n in gm.graph.find_nodes(op="placeholder"))
+    out = gm.graph.output_node().args[0]
+    outs = tuple(meta(n, True) for n in (out if isinstance(out, (tuple, list)) else (out,)))
+    return ins, outs
+
+
+def sync_shared_grads(stage, group: Any = None) -> None:
+    """Sum the gradients of parameters several stages read (tied embeddings) across all ranks.
+    Call on every rank after `schedule.step(...)` and before `optimizer.step()`."""
+    import torch.distributed as dist
+
+    own = {name for name in stage.fxmem_param_names}
+    for name in sorted(stage.fxmem_shared):
+        param = stage.fxmem_shared[name]
+        mine = name in own or any(stage.submod.get_parameter(n) is param for n in own)
+        grad = param.grad if mine and param.grad is not None else torch.zeros_like(param)
+        dist.all_reduce(grad, group=group)
+        if mine:
+            param.grad = grad
+
+
+def problem_from_plan(plan: Plan, **changes: Any) -> StageProblem:
+    """The stage problem a pipeline plan was solved from (to compare other splits with the same costs)."""
+    info = plan.pipeline
+    problem = StageProblem(
+        names=tuple(info["units"]), time_s=tuple(info["unit_time_s"]), param_bytes=tuple(info["unit_param_bytes"]),
+        act_bytes=tuple(info["unit_act_bytes"]), cut_bytes=tuple(info["cut_bytes"]), num_stages=info["num_stages"],
+        budget_bytes=info["budget_bytes"], schedule=info["schedule"], n_microbatches=info["n_microbatches"],
+        recompute_s=tuple(info["unit_recompute_s"]), ckpt_bytes=tuple(info["unit_ckpt_bytes"]),
+        shared=tuple((size, tuple(users)) for size, users in info["shared"]),
+        opt_bytes_per_param_byte=info["opt_bytes_per_param_byte"], link_bytes_per_s=info["link_bytes_per_s"])
+    return dataclasses.replace(problem, **changes) if changes else problem
+
+
+def layer_units(names: Sequence[str]) -> list[int]:
+    """Units that are the repeated layers of the model's largest layer list (`blocks.3`, `layers.0`)."""
+    groups: dict[str, list[int]] = {}
+    for u, name in enumerate(names):
+        parent, _, last = name.rpartition(".")
+        if last.isdigit():
+            groups.setdefault(parent, []).append(u)
+    return max(groups.values(), key=len, default=[])
+
+
+def baseline_cuts(plan: Plan, method: str) -> tuple[int, ...]:
+    """Other frameworks' splits of the same units: "uniform" (equal layers per stage, the embedding
+    with the first and the head with the last; torchtitan, DeepSpeed partition_method='uniform') or
+    "parameters" (equal parameter bytes; DeepSpeed's default)."""
+    from fxmem.solve.stages import min_max_cuts
+
+    info = plan.pipeline
+    S, names = info["num_stages"], info["units"]
+    if method == "parameters":
+        weights = list(info["unit_param_bytes"])
+        for size, users in info["shared"]:
+            weights[users[0]] += size
+        return min_max_cuts(weights, S)
+    if method != "uniform":
+        raise ValueError(f"method must be 'uniform' or 'parameters', got {method!r}")
+    layers = layer_units(names) or list(range(len(names)))
+    if len(layers) < S:
+        raise ValueError(f"{len(layers)} layers cannot fill {S} stages with the uniform split")
+    return tuple(layers[(k * len(layers)) // S] for k in range(1, S))
+
+
+def output_is_loss(output: torch.Tensor, target: Any = None) -> torch.Tensor:
+    """`loss_fn` for a schedule whose model returns its own loss (pass any `target`, it is ignored)."""
+    return output
+
+
+def describe(plan: Plan) -> str:
+    info = plan.pipeline
+    return (f"{info['num_stages']} stages ({info['schedule']}, {info['n_microbatches']} microbatches): slowest "
+            f"{info['slowest_s'] * 1e3:.3f} ms, balance {plan.stage_balance:.3f}, peak "
+            f"{fmt_bytes(plan.predicted_peak_bytes)}")

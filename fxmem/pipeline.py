@@ -19,13 +19,14 @@ from fxmem.capture import capture
 from fxmem.errors import FxmemError, InfeasibleBudgetError, PlanMismatchError, fmt_bytes
 from fxmem.passes.shard import Unit, crossing, split_stages, tag_units, value_bytes
 from fxmem.plan import Plan
-from fxmem.solve.stages import StagePlan, StageProblem, solve_stages
+from fxmem.solve.stages import StageProblem, solve_stages, stage_cost
 
 # Optimizer state per parameter byte (fp32 state for fp32 parameters).
 OPTIMIZER_STATE = {"sgd": 0.0, "sgd-momentum": 1.0, "adam": 2.0, "adamw": 2.0, "adagrad": 1.0, "rmsprop": 1.0}
 # Bytes/s between neighbouring stages: gloo over loopback on CPU, NVLink-class links on GPUs.
 LINK_BYTES_PER_S = {"cpu": 5e9}
 DEFAULT_LINK_BYTES_PER_S = 100e9
+MAX_ROUNDS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,9 +59,11 @@ def _source(node: torch.fx.Node, names: set[str]) -> str | None:
     return None
 
 
-def unit_costs(joint: torch.fx.GraphModule, gm: torch.fx.GraphModule, num_units: int):
-    """Per unit: forward seconds, backward seconds, bytes saved for backward, from the joint graph's
-    `meta["fxmem"]["cost"]`. Backward nodes follow their forward node through `meta["seq_nr"]`."""
+def unit_costs(joint: torch.fx.GraphModule, gm: torch.fx.GraphModule, num_units: int, saved_bytes: dict[str, int]):
+    """Per unit: forward seconds, backward seconds, bytes saved for backward. Seconds from the joint
+    graph's `meta["fxmem"]["cost"]`; backward nodes follow their forward node through `meta["seq_nr"]`.
+    `saved_bytes`: per joint node, the storage bytes the eager step keeps for backward (a view's
+    base counted once), as the whole model's eager plan rows give them."""
     unit_by_name = {n.name: n.meta["fxmem"]["unit"] for n in gm.graph.nodes if "unit" in n.meta.get("fxmem", {})}
     names = set(unit_by_name)
     fwd, bwd, saved = [0.0] * num_units, [0.0] * num_units, [0] * num_units
@@ -78,7 +81,7 @@ def unit_costs(joint: torch.fx.GraphModule, gm: torch.fx.GraphModule, num_units:
             continue
         u = unit_by_name[src]
         fwd[u] += cost.seconds
-        saved[u] += cost.saved_bytes
+        saved[u] += saved_bytes.get(node.name, 0)
         if "seq_nr" in node.meta:
             by_seq.setdefault(node.meta["seq_nr"], u)
     for node, cost in backward:
@@ -119,10 +122,10 @@ def _is_param(gm: torch.fx.GraphModule, target: str) -> bool:
         return False
 
 
-def build_problem(gm, model, units: list[Unit], joint, *, budget_bytes, request: PipelineRequest,
+def build_problem(gm, model, units: list[Unit], joint, saved_bytes, *, budget_bytes, request: PipelineRequest,
                   device_name: str, n_microbatches: int) -> tuple[StageProblem, dict[str, set[int]]]:
     n = len(units)
-    fwd, bwd, saved = unit_costs(joint, gm, n)
+    fwd, bwd, saved = unit_costs(joint, gm, n, saved_bytes)
     readers, sizes = _unit_params(gm, model, n)
     own = [0] * n
     shared = []
@@ -215,32 +218,49 @@ def plan_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict, plan_reques
         raise ValueError(f"schedule must be '1f1b' or 'gpipe', got {request.schedule!r}")
     units = tag_units(gm, model)
     m = request.n_microbatches or request.num_stages
-    problem, readers = build_problem(gm, model, units, joint, budget_bytes=budget_bytes, request=request,
+    saved = {r["name"]: r["bytes"] for r in base.nodes if r["decision"] == "save"}
+    problem, readers = build_problem(gm, model, units, joint, saved, budget_bytes=budget_bytes, request=request,
                                      device_name=base.device, n_microbatches=m)
     if problem.num_stages > problem.num_units:
         raise ValueError(f"num_stages={problem.num_stages} but the model has only {problem.num_units} units "
                          f"to place ({', '.join(problem.names)}); use fewer stages")
-    solved = solve_stages(problem)
-    modules = split_stages(gm, list(solved.cuts), problem.num_units) if any(s.checkpoint for s in solved.stages) else None
     cuts = crossing(gm, problem.num_units)
+    _NEEDS.clear()
+    for _ in range(MAX_ROUNDS):  # the stage model proposes, fxmem's planner checks each stage's step
+        try:
+            solved = solve_stages(problem)
+        except InfeasibleBudgetError:
+            if not problem.excluded:
+                raise
+            raise _planner_infeasible(problem, budget_bytes) from None
+        modules = split_stages(gm, list(solved.cuts), problem.num_units)
+        checked = [_check_stage(modules[k], k, st, problem, cuts, args, budget_bytes, time_limit_s, solver)
+                   for k, st in enumerate(solved.stages)]
+        misfits = {(st.first, st.last, k) for k, (st, c) in enumerate(zip(solved.stages, checked)) if c is None}
+        if not misfits:
+            break
+        problem = dataclasses.replace(problem, excluded=problem.excluded | misfits)
+    else:
+        raise _planner_infeasible(problem, budget_bytes)
     stages = []
-    for k, st in enumerate(solved.stages):
+    for k, (st, (stage_plan, peak)) in enumerate(zip(solved.stages, checked)):
+        # time: the eager stage plus what the stage's own recompute plan adds (not the model's every-unit guess)
+        eager = stage_cost(problem, st.first, st.last, k)
+        extra = stage_plan["predicted_step_s"] - stage_plan["baseline_step_s"] if stage_plan else 0.0
         params = sorted(name for name, users in readers.items() if any(st.first <= u <= st.last for u in users))
-        row = {"index": k, "modules": [u.label for u in units[st.first:st.last + 1]],
-               "nodes": [n for u in units[st.first:st.last + 1] for n in u.nodes],
-               "parameters": params, "param_bytes": st.param_bytes, "activation_bytes": st.act_bytes,
-               "in_flight": st.in_flight, "predicted_peak_bytes": st.memory_bytes, "time_s": st.time_s,
-               "compute_s": st.compute_s, "transfer_s": st.transfer_s, "sends": [n.name for n in cuts[st.last]]
-               if st.last < problem.num_units - 1 else [], "recompute": st.checkpoint, "plan": None}
-        if st.checkpoint:
-            row["plan"] = _stage_recompute_plan(modules[k], k, st, problem, cuts, args, budget_bytes,
-                                                time_limit_s, solver)
-            row["predicted_peak_bytes"] = _stage_memory(row["plan"], st, problem, cuts)
-        stages.append(row)
+        stages.append({
+            "index": k, "modules": [u.label for u in units[st.first:st.last + 1]],
+            "nodes": [n for u in units[st.first:st.last + 1] for n in u.nodes],
+            "parameters": params, "param_bytes": st.param_bytes, "activation_bytes": st.act_bytes,
+            "in_flight": st.in_flight, "predicted_peak_bytes": peak, "time_s": eager.time_s + extra,
+            "compute_s": eager.compute_s + extra, "transfer_s": eager.transfer_s,
+            "sends": [n.name for n in cuts[st.last]] if st.last < problem.num_units - 1 else [],
+            "recompute": stage_plan is not None, "plan": stage_plan})
     shared = sorted(name for name, users in readers.items()
                     if sum(any(s.first <= u <= s.last for u in users) for s in solved.stages) > 1)
+    slowest = max(s["time_s"] for s in stages)
     info = {"num_stages": problem.num_stages, "schedule": problem.schedule, "n_microbatches": m,
-            "optimizer": request.optimizer, "lower_bound_s": solved.lower_bound_s, "slowest_s": solved.slowest_s,
+            "optimizer": request.optimizer, "lower_bound_s": solved.lower_bound_s, "slowest_s": slowest,
             "first_units": list(solved.cuts), "num_units": problem.num_units, "units": list(problem.names),
             "graph_fingerprint": captured_fingerprint(gm), "inputs": _input_specs(args), "shared_parameters": shared,
             "link_bytes_per_s": problem.link_bytes_per_s, "unit_time_s": list(problem.time_s),
@@ -251,7 +271,8 @@ def plan_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict, plan_reques
     peak = max(s["predicted_peak_bytes"] for s in stages)
     return dataclasses.replace(base, budget_bytes=int(budget_bytes) if budget_bytes is not None else peak,
                                predicted_peak_bytes=peak, stages=tuple(stages),
-                               stage_balance=solved.balance, pipeline=info)
+                               stage_balance=slowest / solved.lower_bound_s if solved.lower_bound_s else 1.0,
+                               pipeline=info)
 
 
 def _stage_inputs(k: int, problem: StageProblem, cuts, args: tuple, first: int) -> list[torch.Tensor]:
@@ -261,31 +282,59 @@ def _stage_inputs(k: int, problem: StageProblem, cuts, args: tuple, first: int) 
     return [torch.zeros(v.shape, dtype=v.dtype).requires_grad_(v.is_floating_point()) for v in vals]
 
 
-def _stage_recompute_plan(module, k, st, problem, cuts, args, budget_bytes, time_limit_s, solver) -> dict:
-    """fxmem's recompute plan for one stage's step, under the budget left once the other microbatches
-    in flight keep what a checkpointed stage keeps for them."""
+_NEEDS: list[int] = []  # least stage budgets fxmem's planner reported for splits it refused
+
+
+def _planner_infeasible(problem: StageProblem, budget_bytes: int) -> InfeasibleBudgetError:
+    need = min(_NEEDS, default=budget_bytes + 1)
+    err = InfeasibleBudgetError(budget_bytes, need)
+    err.args = (f"no split into {problem.num_stages} pipeline stages fits {fmt_bytes(budget_bytes)} per stage: "
+                f"the splits the stage model found feasible need at least {fmt_bytes(need)} once fxmem's planner "
+                f"checks each stage's step (with recompute); raise budget_gb to at least {need / 2**30:.3f}, "
+                "use more stages, fewer microbatches in flight (schedule='1f1b'), or a smaller microbatch",)
+    return err
+
+
+def _kept_bytes(plan: Plan) -> int:
+    return sum(r["bytes"] for r in plan.nodes if r["decision"] == "save")
+
+
+def _check_stage(module, k, st, problem: StageProblem, cuts, args, budget_bytes, time_limit_s, solver):
+    """(recompute plan as a dict or None, predicted stage peak) for one stage, or None if it cannot fit.
+
+    The stage's peak: fxmem's simulated peak of one microbatch's step (its parameters, gradients,
+    inputs, activations and temporaries), plus what the other microbatches in flight keep (the
+    activations the step saves and their received inputs), plus optimizer state. Without recompute
+    if that fits, else with fxmem's recompute plan under the budget that leaves, tightened until it fits."""
     from fxmem.runtime import plan as make_plan
 
-    held = (st.in_flight - 1) * (st.act_bytes + (problem.cut_bytes[st.first - 1] if st.first else 0))
+    inputs = _stage_inputs(k, problem, cuts, args, st.first)
+    received = problem.cut_bytes[st.first - 1] if st.first else 0
     opt = int(st.param_bytes * problem.opt_bytes_per_param_byte)
-    step_budget = budget_bytes - held - opt
-    try:
+    others = st.in_flight - 1
+    eager = make_plan(module, inputs)
+    total = eager.baseline_peak_bytes + others * (_kept_bytes(eager) + received) + opt
+    if budget_bytes is None or total <= budget_bytes:
+        return None, total
+    # the least the other microbatches can keep: every unit checkpointed where that keeps less
+    least_kept = sum(min(c, a) for c, a in zip(problem.ckpt_bytes[st.first:st.last + 1],
+                                               problem.act_bytes[st.first:st.last + 1]))
+    step_budget = min(eager.baseline_peak_bytes - 1, budget_bytes - opt - others * (least_kept + received))
+    for _ in range(6):
         if step_budget <= 0:
-            raise InfeasibleBudgetError(budget_bytes, budget_bytes - step_budget)
-        plan = make_plan(module, _stage_inputs(k, problem, cuts, args, st.first), budget_gb=step_budget / 2**30,
-                         time_limit_s=time_limit_s, solver=solver)
-    except InfeasibleBudgetError as exc:
-        need = exc.min_budget_bytes + held + opt
-        raise InfeasibleBudgetError(budget_bytes, need, {
-            f"stage {k} ({problem.names[st.first]} .. {problem.names[st.last]}) step with recompute":
-                exc.min_budget_bytes, f"{st.in_flight - 1} more microbatches in flight": held,
-            "optimizer state": opt}) from None
-    return json.loads(plan.to_json())
-
-
-def _stage_memory(plan_dict: dict, st, problem: StageProblem, cuts) -> int:
-    held = (st.in_flight - 1) * (st.act_bytes + (problem.cut_bytes[st.first - 1] if st.first else 0))
-    return plan_dict["predicted_peak_bytes"] + held + int(st.param_bytes * problem.opt_bytes_per_param_byte)
+            return None
+        try:
+            plan = make_plan(module, inputs, budget_gb=step_budget / 2**30, time_limit_s=time_limit_s, solver=solver)
+        except InfeasibleBudgetError as exc:
+            _NEEDS.append(exc.min_budget_bytes + opt + others * (least_kept + received))
+            return None
+        total = plan.predicted_peak_bytes + others * (_kept_bytes(plan) + received) + opt
+        if total <= budget_bytes:
+            return json.loads(plan.to_json()), total
+        # a byte less in the step's budget is about a byte less kept for each other microbatch too
+        step_budget -= max((total - budget_bytes) // (1 + others), 4096)
+    _NEEDS.append(total)
+    return None
 
 
 def stage_modules(model: torch.nn.Module, plan: Plan) -> list[torch.fx.GraphModule]:

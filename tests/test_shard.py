@@ -116,8 +116,20 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         # every rank solves for itself: the split (and everything it was solved from) must be identical
         dist.all_gather_object(plans, json.dumps([plan.stages, plan.pipeline, plan.stage_balance], sort_keys=True))
         results["same_plan"] = plans[0] == plans[1]
-        for name, cls in (("gpt-gpipe", ScheduleGPipe), ("gpt-1f1b", Schedule1F1B)):
-            results[name] = _run_case(rank, model, (idx, targets), fxmem.pipeline.output_is_loss, targets, cls, plan)
+        results["gpt-gpipe"] = _run_case(rank, model, (idx, targets), fxmem.pipeline.output_is_loss, targets,
+                                         ScheduleGPipe, plan)
+        # a budget only recompute inside a stage meets: planned once on rank 0 and broadcast (CP-SAT
+        # under a time limit need not find the same recompute set in every process)
+        tight = [None]
+        if rank == 0:
+            peak = max(s["predicted_peak_bytes"] for s in plan.stages)
+            tight = [fxmem.plan(model, (idx[:2], targets[:2]), budget_gb=0.9 * peak / 2**30, num_stages=2,
+                                n_microbatches=M, time_limit_s=1).to_json()]
+        dist.broadcast_object_list(tight, src=0)
+        tight = fxmem.Plan.from_json(tight[0])
+        results["recompute"] = [bool(s["plan"] and s["plan"]["recompute"]) for s in tight.stages]
+        results["gpt-1f1b"] = _run_case(rank, model, (idx, targets), fxmem.pipeline.output_is_loss, targets,
+                                        Schedule1F1B, tight)
         model = mlp()
         x, y = models.example_inputs("mlp-tiny", 8)
         plan = fxmem.plan(model, (x[:2],), num_stages=2, n_microbatches=M, schedule="gpipe")
@@ -167,6 +179,8 @@ def _check(results, case, ref_loss, ref_grads):
 @pytest.mark.parametrize("case", ["gpt-gpipe", "gpt-1f1b"])
 def test_two_processes_train_like_one(two_process_results, case):
     assert two_process_results[0]["same_plan"] and two_process_results[1]["same_plan"]
+    if case == "gpt-1f1b":  # this run recomputes inside a stage (fxmem.optimize under PipelineStage)
+        assert any(two_process_results[0]["recompute"])
     idx, targets = models.example_inputs("gpt-tiny", 8)
     loss, grads = _reference(gpt(), (idx, targets))
     _check(two_process_results, case, loss, grads)

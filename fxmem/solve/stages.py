@@ -23,7 +23,8 @@ class StageProblem:
     when u is checkpointed (its forward again). param_bytes[u]: parameters only u reads; shared:
     (bytes, units) for parameters read by several units (counted once per stage that reads them).
     act_bytes[u]: bytes u keeps for backward per microbatch; ckpt_bytes[u]: bytes kept per microbatch
-    when u is checkpointed (what u's recomputation starts from). cut_bytes[k]: bytes crossing the cut
+    when u is checkpointed (what u's recomputation starts from; a checkpointed stage recomputes only
+    the units where that is less than act_bytes). cut_bytes[k]: bytes crossing the cut
     between units k and k+1 (n-1 cuts), sent forward and their gradients back once per microbatch.
     opt_bytes_per_param_byte: optimizer state per parameter byte (Adam fp32: 2.0; SGD: 0).
     """
@@ -43,6 +44,7 @@ class StageProblem:
     opt_bytes_per_param_byte: float = 0.0
     link_bytes_per_s: float = 25e9
     link_latency_s: float = 0.0
+    excluded: frozenset[tuple[int, int, int]] = frozenset()  # (first, last, stage) found not to fit
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -111,10 +113,13 @@ class _Prefix:
     def __init__(self, p: StageProblem):
         self.p = p
         self.time = _prefix(p.time_s)
-        self.rec = _prefix(p.recompute_s or (0.0,) * p.num_units)
+        # a checkpointed stage recomputes the units where that keeps fewer bytes, and keeps the rest
+        ckpt = p.ckpt_bytes or p.act_bytes
+        helps = [c < a for c, a in zip(ckpt, p.act_bytes)]
+        self.rec = _prefix([r if h else 0.0 for r, h in zip(p.recompute_s or (0.0,) * p.num_units, helps)])
         self.params = _prefix(p.param_bytes)
         self.act = _prefix(p.act_bytes)
-        self.ckpt = _prefix(p.ckpt_bytes or p.act_bytes)
+        self.ckpt = _prefix([min(c, a) for c, a in zip(ckpt, p.act_bytes)])
 
     def param_bytes(self, i: int, j: int) -> int:
         own = self.params[j + 1] - self.params[i]
@@ -142,6 +147,8 @@ class _Prefix:
     def best(self, i: int, j: int, s: int) -> Stage | None:
         """The faster of eager and checkpointed that fits the budget (None if neither fits)."""
         budget = self.p.budget_bytes
+        if (i, j, s) in self.p.excluded:
+            return None
         eager = self.stage(i, j, s, False)
         if budget is None or eager.memory_bytes <= budget:
             return eager
@@ -157,6 +164,11 @@ def _prefix(values) -> list:
     for k, v in enumerate(values):
         out[k + 1] = out[k] + v
     return out
+
+
+def stage_cost(p: StageProblem, first: int, last: int, stage: int, checkpoint: bool = False) -> Stage:
+    """Units first..last as stage `stage`, eager or checkpointed, whether or not it fits."""
+    return _Prefix(p).stage(first, last, stage, checkpoint)
 
 
 def lower_bound_s(p: StageProblem) -> float:

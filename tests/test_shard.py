@@ -55,7 +55,7 @@ def test_uneven_model_balances_better_than_equal_layers():
     # a large vocabulary makes the head several blocks' worth of work
     model = gpt(vocab_size=4096, n_layer=4)
     batch = models.example_inputs("gpt-tiny", 2, vocab_size=4096)
-    for S in (2, 3):
+    for S in (2,):
         plan = fxmem.plan(model, batch, num_stages=S, n_microbatches=M)
         problem = problem_from_plan(plan)
         uniform = evaluate(problem, baseline_cuts(plan, "uniform"))
@@ -124,7 +124,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         if rank == 0:
             peak = max(s["predicted_peak_bytes"] for s in plan.stages)
             tight = [fxmem.plan(model, (idx[:2], targets[:2]), budget_gb=0.9 * peak / 2**30, num_stages=2,
-                                n_microbatches=M, time_limit_s=1).to_json()]
+                                n_microbatches=M, solver="greedy").to_json()]
         dist.broadcast_object_list(tight, src=0)
         tight = fxmem.Plan.from_json(tight[0])
         results["recompute"] = [bool(s["plan"] and s["plan"]["recompute"]) for s in tight.stages]
@@ -144,7 +144,7 @@ def _reference(model, inputs, loss_fn=None, target=None):
     out = model(*inputs)
     loss = out if loss_fn is None else loss_fn(out, target)
     loss.backward()
-    return float(loss), {name: p.grad for name, p in model.named_parameters()}
+    return float(loss.detach()), {name: p.grad for name, p in model.named_parameters()}
 
 
 @pytest.fixture(scope="module")

@@ -189,13 +189,19 @@ def problem_from_plan(plan: Plan, **changes: Any) -> StageProblem:
 
 
 def layer_units(names: Sequence[str]) -> list[int]:
-    """Units that are the repeated layers of the model's largest layer list (`blocks.3`, `layers.0`)."""
+    """Units that are the repeated layers of the model's largest layer list: the units whose module
+    path starts with the same name before its first index (`blocks.3`, `stages.1.0`, `layers.4`)."""
     groups: dict[str, list[int]] = {}
+    indices: dict[str, set[str]] = {}
     for u, name in enumerate(names):
-        parent, _, last = name.rpartition(".")
-        if last.isdigit():
-            groups.setdefault(parent, []).append(u)
-    return max(groups.values(), key=len, default=[])
+        parts = name.split(".")
+        first_index = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+        if first_index:
+            key = ".".join(parts[:first_index])
+            groups.setdefault(key, []).append(u)
+            indices.setdefault(key, set()).add(parts[first_index])
+    best = max(groups, key=lambda k: (len(indices[k]), len(groups[k])), default=None)
+    return groups[best] if best is not None else []
 
 
 def baseline_cuts(plan: Plan, method: str) -> tuple[int, ...]:

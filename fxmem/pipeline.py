@@ -243,15 +243,18 @@ def _stage_io(gm: torch.fx.GraphModule, receives: bool) -> tuple[tuple, tuple]:
     return ins, outs
 
 
-def sync_shared_grads(stage, group: Any = None) -> None:
+def sync_shared_grads(stages, group: Any = None) -> None:
     """Sum the gradients of parameters several stages read (tied embeddings) across all ranks.
-    Call on every rank after `schedule.step(...)` and before `optimizer.step()`."""
+    Call once on every rank after `schedule.step(...)` and before `optimizer.step()`, with this
+    rank's stage or, for interleaved schedules, the list of its stages."""
     import torch.distributed as dist
 
-    own = {name for name in stage.fxmem_param_names}
-    for name in sorted(stage.fxmem_shared):
-        param = stage.fxmem_shared[name]
-        mine = name in own or any(stage.submod.get_parameter(n) is param for n in own)
+    stages = list(stages) if isinstance(stages, (list, tuple)) else [stages]
+    held = {id(p) for stage in stages for p in stage.submod.parameters()}
+    shared = stages[0].fxmem_shared
+    for name in sorted(shared):
+        param = shared[name]
+        mine = id(param) in held
         grad = param.grad if mine and param.grad is not None else torch.zeros_like(param)
         dist.all_reduce(grad, group=group)
         if mine:

@@ -86,7 +86,8 @@ def _layers(modules: list[str], limit: int = 4) -> str:
 
 
 def stage_rows(plan: Any) -> list[list[Any]]:
-    return [[s["index"], _layers(s["modules"]), fmt_bytes(s["param_bytes"]), fmt_bytes(s["predicted_peak_bytes"]),
+    return [[s["index"], _layers(s["modules"]), fmt_bytes(s["param_bytes"]),
+             ("~" if s.get("peak_from") == "stage model" else "") + fmt_bytes(s["predicted_peak_bytes"]),
              f"{s['time_s'] * 1e3:,.3f}", s["in_flight"], "recompute" if s["recompute"] else "keep"]
             for s in getattr(plan, "stages", ())]
 
@@ -101,4 +102,6 @@ def format_stages(plan: Any) -> str:
     body = tabulate(rows, headers=headers, tablefmt="simple")
     return (f"pipeline: {info['num_stages']} stages, {info['schedule']}, {info['n_microbatches']} microbatches; "
             f"slowest stage {info['slowest_s'] * 1e3:,.3f} ms, lower bound {info['lower_bound_s'] * 1e3:,.3f} ms, "
-            f"balance {plan.stage_balance:.3f}\n\n{body}")
+            f"balance {plan.stage_balance:.3f}\n\n{body}"
+            + ("\n\n~ the stage model's estimate (no budget given, so no stage was checked with fxmem's planner)"
+               if any(s.get("peak_from") == "stage model" for s in plan.stages) else ""))

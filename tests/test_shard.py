@@ -85,9 +85,12 @@ def _free_port() -> int:
 
 
 def _run_case(rank, model, batch, loss_fn, target, schedule_cls, plan):
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe  # noqa: F401
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B
 
-    stage = fxmem.pipeline_stage(model, plan, rank, torch.device("cpu"))
+    if schedule_cls is ScheduleInterleaved1F1B:  # stages k and k+2 on rank k
+        stage = [fxmem.pipeline_stage(model, plan, k, torch.device("cpu")) for k in (rank, rank + 2)]
+    else:
+        stage = fxmem.pipeline_stage(model, plan, rank, torch.device("cpu"))
     for p in model.parameters():
         p.grad = None
     schedule = schedule_cls(stage, n_microbatches=M, loss_fn=loss_fn)
@@ -103,7 +106,7 @@ def _run_case(rank, model, batch, loss_fn, target, schedule_cls, plan):
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
@@ -130,6 +133,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         results["recompute"] = [bool(s["plan"] and s["plan"]["recompute"]) for s in tight.stages]
         results["gpt-1f1b"] = _run_case(rank, model, (idx, targets), fxmem.pipeline.output_is_loss, targets,
                                         Schedule1F1B, tight)
+        four = fxmem.plan(model, (idx[:2], targets[:2]), num_stages=4, n_microbatches=M)
+        results["gpt-interleaved"] = _run_case(rank, model, (idx, targets), fxmem.pipeline.output_is_loss, targets,
+                                               ScheduleInterleaved1F1B, four)
         model = mlp()
         x, y = models.example_inputs("mlp-tiny", 8)
         plan = fxmem.plan(model, (x[:2],), num_stages=2, n_microbatches=M, schedule="gpipe")
@@ -176,7 +182,7 @@ def _check(results, case, ref_loss, ref_grads):
         torch.testing.assert_close(first["grads"][name], last["grads"][name], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("case", ["gpt-gpipe", "gpt-1f1b"])
+@pytest.mark.parametrize("case", ["gpt-gpipe", "gpt-1f1b", "gpt-interleaved"])
 def test_two_processes_train_like_one(two_process_results, case):
     assert two_process_results[0]["same_plan"] and two_process_results[1]["same_plan"]
     if case == "gpt-1f1b":  # this run recomputes inside a stage (fxmem.optimize under PipelineStage)

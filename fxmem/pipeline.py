@@ -70,7 +70,7 @@ def plan_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict, plan_reques
         raise ValueError(f"num_stages={problem.num_stages} but the model has only {problem.num_units} units "
                          f"to place ({', '.join(problem.names)}); use fewer stages")
     cuts = crossing(gm, problem.num_units)
-    _NEEDS.clear()
+    needs: list[int] = []
     seen: dict[tuple[int, int, int], Any] = {}
     for _ in range(MAX_ROUNDS):  # the stage model proposes, fxmem's planner checks each stage's step
         try:
@@ -78,19 +78,19 @@ def plan_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict, plan_reques
         except InfeasibleBudgetError:
             if not problem.excluded:
                 raise
-            raise _planner_infeasible(problem, budget_bytes) from None
+            raise _planner_infeasible(problem, budget_bytes, needs) from None
         modules = split_stages(gm, list(solved.cuts), problem.num_units)
         for k, st in enumerate(solved.stages):
             if (st.first, st.last, k) not in seen:
                 seen[st.first, st.last, k] = _check_stage(modules[k], k, st, problem, cuts, args, budget_bytes,
-                                                          time_limit_s, solver)
+                                                          time_limit_s, solver, needs)
         checked = [seen[st.first, st.last, k] for k, st in enumerate(solved.stages)]
         misfits = {(st.first, st.last, k) for k, (st, c) in enumerate(zip(solved.stages, checked)) if c is None}
         if not misfits:
             break
         problem = dataclasses.replace(problem, excluded=problem.excluded | misfits)
     else:
-        raise _planner_infeasible(problem, budget_bytes)
+        raise _planner_infeasible(problem, budget_bytes, needs)
     stages = []
     for k, (st, (stage_plan, peak)) in enumerate(zip(solved.stages, checked)):
         # time: the eager stage plus what the stage's own recompute plan adds (not the model's every-unit guess)
@@ -132,11 +132,9 @@ def _stage_inputs(k: int, problem: StageProblem, cuts, args: tuple, first: int) 
     return [torch.zeros(v.shape, dtype=v.dtype).requires_grad_(v.is_floating_point()) for v in vals]
 
 
-_NEEDS: list[int] = []  # least stage budgets fxmem's planner reported for splits it refused
-
-
-def _planner_infeasible(problem: StageProblem, budget_bytes: int) -> InfeasibleBudgetError:
-    need = min(_NEEDS, default=budget_bytes + 1)
+def _planner_infeasible(problem: StageProblem, budget_bytes: int, needs: list[int]) -> InfeasibleBudgetError:
+    """`needs`: the least stage budgets fxmem's planner reported for the stages it refused."""
+    need = min(needs, default=budget_bytes + 1)
     err = InfeasibleBudgetError(budget_bytes, need)
     err.args = (f"no split into {problem.num_stages} pipeline stages fits {fmt_bytes(budget_bytes)} per stage: "
                 f"the splits the stage model found feasible need at least {fmt_bytes(need)} once fxmem's planner "
@@ -149,7 +147,8 @@ def _kept_bytes(plan: Plan) -> int:
     return sum(r["bytes"] for r in plan.nodes if r["decision"] == "save")
 
 
-def _check_stage(module, k, st, problem: StageProblem, cuts, args, budget_bytes, time_limit_s, solver):
+def _check_stage(module, k, st, problem: StageProblem, cuts, args, budget_bytes, time_limit_s, solver,
+                 needs: list[int]):
     """(recompute plan as a dict or None, predicted stage peak) for one stage, or None if it cannot fit.
 
     The stage's peak: fxmem's simulated peak of one microbatch's step (its parameters, gradients,
@@ -178,14 +177,14 @@ def _check_stage(module, k, st, problem: StageProblem, cuts, args, budget_bytes,
         try:
             plan = make_plan(module, inputs, budget_gb=step_budget / 2**30, time_limit_s=time_limit_s, solver=solver)
         except InfeasibleBudgetError as exc:
-            _NEEDS.append(exc.min_budget_bytes + opt + others * (least_kept + received))
+            needs.append(exc.min_budget_bytes + opt + others * (least_kept + received))
             return None
         total = plan.predicted_peak_bytes + others * (_kept_bytes(plan) + received) + opt
         if total <= budget_bytes:
             return json.loads(plan.to_json()), total
         # a byte less in the step's budget is about a byte less kept for each other microbatch too
         step_budget -= max((total - budget_bytes) // (1 + others), 4096)
-    _NEEDS.append(total)
+    needs.append(total)
     return None
 
 
@@ -265,9 +264,3 @@ def output_is_loss(output: torch.Tensor, target: Any = None) -> torch.Tensor:
     """`loss_fn` for a schedule whose model returns its own loss (pass any `target`, it is ignored)."""
     return output
 
-
-def describe(plan: Plan) -> str:
-    info = plan.pipeline
-    return (f"{info['num_stages']} stages ({info['schedule']}, {info['n_microbatches']} microbatches): slowest "
-            f"{info['slowest_s'] * 1e3:.3f} ms, balance {plan.stage_balance:.3f}, peak "
-            f"{fmt_bytes(plan.predicted_peak_bytes)}")

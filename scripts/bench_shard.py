@@ -6,7 +6,8 @@ fake tensors) and prices three splits of the same units with the same cost model
 equal-layer split (torchtitan, DeepSpeed partition_method='uniform') and the equal-parameter split
 (DeepSpeed's default). Balance = slowest stage / lower bound (1.0 is perfect). With --measure it also
 runs 2 processes (gloo on 127.0.0.1, 1F1B) for fxmem's and the equal-layer split of a model whose
-head is heavy, and reports the median measured step time. Prints a markdown table (tabulate).
+head is heavy, and reports the median measured step time, next to each stage's measured forward+backward
+time on one microbatch (one process, one thread). Prints markdown tables (tabulate).
 
 examples:
   python scripts/bench_shard.py --quick
@@ -112,6 +113,36 @@ def _worker(rank: int, port: int, out: str, name: str, overrides: dict, batch: i
         dist.destroy_process_group()
 
 
+def stage_seconds(batch: int, repeats: int = 7) -> dict[str, list[float]]:
+    """Median forward+backward seconds of each stage module on one microbatch, one process, 1 thread."""
+    from fxmem.pipeline import stage_modules
+
+    torch.set_num_threads(1)
+    name, overrides = UNEVEN
+    torch.manual_seed(0)
+    model = models.from_name(name, **overrides)
+    mb = microbatch(name, batch, **overrides)
+    plan = fxmem.plan(model, mb, num_stages=2, n_microbatches=4)
+    out = {}
+    for key, cuts in {"fxmem": plan.pipeline["first_units"], "uniform": list(baseline_cuts(plan, "uniform"))}.items():
+        variant = dataclasses.replace(plan, pipeline={**plan.pipeline, "first_units": cuts})
+        x, out[key] = mb, []
+        for module in stage_modules(model, variant):
+            inputs = tuple(a.detach().requires_grad_(a.is_floating_point()) for a in x)
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                result = module(*inputs)
+                floats = [o for o in (result if isinstance(result, tuple) else (result,)) if o.is_floating_point()]
+                torch.autograd.backward(floats, [torch.ones_like(o) for o in floats])
+                times.append(time.perf_counter() - start)
+            out[key].append(statistics.median(times[2:]))
+            with torch.no_grad():
+                x = module(*inputs)
+            x = x if isinstance(x, tuple) else (x,)
+    return out
+
+
 def measure(batch: int, n_micro: int, steps: int) -> dict[str, float]:
     import torch.multiprocessing as mp
 
@@ -145,12 +176,15 @@ def main(argv: list[str] | None = None) -> int:
                "slowest ms fxmem", "slowest ms equal layers", "fxmem cuts before", "plan s"]
     print(tabulate(rows, headers=headers, tablefmt="github"))
     if args.measure or args.quick:
-        times = measure(args.batch_size, args.microbatches, 3 if args.quick else args.steps)
         name = UNEVEN[0] + "".join(f" {k}={v}" for k, v in UNEVEN[1].items())
+        stages = stage_seconds(args.batch_size)
+        times = measure(args.batch_size, args.microbatches, 3 if args.quick else args.steps)
+        ms = lambda xs: " / ".join(f"{x * 1e3:.1f}" for x in xs)  # noqa: E731
         print()
-        print(tabulate([[name, 2, f"{times['fxmem'] * 1e3:.1f}", f"{times['uniform'] * 1e3:.1f}",
-                         f"{times['uniform'] / times['fxmem']:.2f}x"]],
-                       headers=["model", "processes", "step ms fxmem split", "step ms equal layers", "speed-up"],
+        print(tabulate([[name, 2, ms(stages["fxmem"]), ms(stages["uniform"]), f"{times['fxmem'] * 1e3:.1f}",
+                         f"{times['uniform'] * 1e3:.1f}", f"{times['uniform'] / times['fxmem']:.2f}x"]],
+                       headers=["model", "stages", "stage ms fxmem split", "stage ms equal layers",
+                                "2-process step ms fxmem", "2-process step ms equal layers", "step speed-up"],
                        tablefmt="github"))
     return 0
 

@@ -49,6 +49,12 @@ def test_stage_modules_chain_to_the_model_with_its_own_parameters():
     assert set(plan.stages[0]["parameters"]) & set(plan.stages[-1]["parameters"]) == {"wte.weight"}
     table = plan.table()
     assert "stage" in table and "blocks.0" in table
+    with pytest.raises(fxmem.PlanMismatchError, match="another graph"):
+        stage_modules(gpt(n_layer=3), plan)
+    old = json.loads(plan.to_json())  # a plan file written before pipeline stages existed still loads
+    for key in ("stages", "stage_balance", "pipeline"):
+        del old[key]
+    assert fxmem.Plan.from_json(json.dumps(old)).stages == ()
 
 
 def test_uneven_model_balances_better_than_equal_layers():

@@ -205,7 +205,7 @@ def stage_modules(model: torch.nn.Module, plan: Plan) -> list[torch.fx.GraphModu
 def pipeline_stage(model: torch.nn.Module, plan: Plan, stage_index: int, device: torch.device | str,
                    group: Any = None):
     """This rank's `torch.distributed.pipelining.PipelineStage`. The stage module holds `model`'s own
-    parameters under their original names (`stage.submod.meta["fxmem_param_names"]`); where the plan
+    parameters under their original names (mapping `stage.fxmem_param_names`); where the plan
     recomputes inside the stage, the module is `fxmem.optimize(stage module, plan=stage plan)`."""
     from torch.distributed.pipelining import PipelineStage
 

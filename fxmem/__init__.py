@@ -13,11 +13,12 @@ from fxmem.estimate import Estimate, estimate
 from fxmem.capacity import max_batch_size
 from fxmem.check import check_plan
 from fxmem.solve.pack import Packing, pack_buffers
+from fxmem.pipeline import pipeline_stage
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "plan", "optimize", "capture", "Plan", "DeviceSpec", "HostLink", "OptimizedModule",
+    "plan", "optimize", "pipeline_stage", "capture", "Plan", "DeviceSpec", "HostLink", "OptimizedModule",
     "FxmemError", "InfeasibleBudgetError", "TraceError", "PlanMismatchError", "__version__",
     "estimate", "Estimate", "max_batch_size", "check_plan",
     "pack_buffers", "Packing",

@@ -44,6 +44,9 @@ class Plan:
     breakdown: dict[str, int] = field(default_factory=dict)
     nodes: tuple[dict[str, Any], ...] = ()
     pool: dict[str, dict[str, Any]] | None = None  # per graph ("forward", "backward"): passes.pool.PoolStats
+    stages: tuple[dict[str, Any], ...] = ()  # pipeline stages (fxmem.pipeline); empty for one device
+    stage_balance: float | None = None  # slowest stage / lower bound
+    pipeline: dict[str, Any] = field(default_factory=dict)  # cuts, schedule, inputs, graph fingerprint
     fxmem_version: str = FXMEM_VERSION
     schema_version: int = SCHEMA_VERSION
     offload: tuple[str, ...] = ()  # saved values copied to host memory and back
@@ -110,7 +113,7 @@ class Plan:
         unknown = set(data) - names
         if unknown:
             raise PlanMismatchError(f"{source} has fields this fxmem does not know: {sorted(unknown)}")
-        for key in ("recompute", "saved", "nodes", "offload", "devices"):
+        for key in ("recompute", "saved", "nodes", "offload", "devices", "stages"):
             data[key] = tuple(data.get(key, ()))
         return cls(**data)
 

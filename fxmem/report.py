@@ -103,8 +103,38 @@ def format_plan(plan: Any, by: str = "module") -> str:
     body = tabulate(plan_rows(plan, by), headers=headers, tablefmt="simple", floatfmt=".2f")
     summary = tabulate(summary_rows(plan), tablefmt="simple")
     title = f"fxmem plan for {plan.model} {plan.signature}"
+    stages = format_stages(plan)
+    tail = f"\n\n{stages}" if stages else ""
     if getattr(plan, "devices", ()):
         placed = tabulate(device_rows(plan), headers=["device", "modules", "parameters", "predicted peak", "budget",
                                                       "step ms"], tablefmt="simple")
-        return f"{title}\n\n{body}\n\n{placed}\n\n{summary}"
-    return f"{title}\n\n{body}\n\n{summary}"
+        return f"{title}\n\n{body}\n\n{placed}\n\n{summary}" + tail
+    return f"{title}\n\n{body}\n\n{summary}" + tail
+
+
+def _layers(modules: list[str], limit: int = 4) -> str:
+    if len(modules) <= limit:
+        return ", ".join(modules)
+    return f"{modules[0]} .. {modules[-1]} ({len(modules)} units)"
+
+
+def stage_rows(plan: Any) -> list[list[Any]]:
+    return [[s["index"], _layers(s["modules"]), fmt_bytes(s["param_bytes"]),
+             ("~" if s.get("peak_from") == "stage model" else "") + fmt_bytes(s["predicted_peak_bytes"]),
+             f"{s['time_s'] * 1e3:,.3f}", s["in_flight"], "recompute" if s["recompute"] else "keep"]
+            for s in getattr(plan, "stages", ())]
+
+
+def format_stages(plan: Any) -> str:
+    """Pipeline stages (plans made with num_stages): layers, parameters, peak memory, time; '' otherwise."""
+    rows = stage_rows(plan)
+    if not rows:
+        return ""
+    info = plan.pipeline
+    headers = ["stage", "layers (module paths)", "parameters", "peak memory", "time ms", "in flight", "activations"]
+    body = tabulate(rows, headers=headers, tablefmt="simple")
+    return (f"pipeline: {info['num_stages']} stages, {info['schedule']}, {info['n_microbatches']} microbatches; "
+            f"slowest stage {info['slowest_s'] * 1e3:,.3f} ms, lower bound {info['lower_bound_s'] * 1e3:,.3f} ms, "
+            f"balance {plan.stage_balance:.3f}\n\n{body}"
+            + ("\n\n~ the stage model's estimate (no budget given, so no stage was checked with fxmem's planner)"
+               if any(s.get("peak_from") == "stage model" for s in plan.stages) else ""))

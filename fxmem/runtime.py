@@ -166,16 +166,27 @@ def _request(model, args, kwargs, budget_gb, plan, device, solver, time_limit_s,
 def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: float | None = None, *,
          example_kwargs: dict[str, Any] | None = None, device: DeviceSpec | str | None = None,
          solver: str = "auto", time_limit_s: float = 10.0, offload: bool = False,
-         target: DeviceSpec | str | None = None, pool: bool | str = False) -> Plan:
+         target: DeviceSpec | str | None = None, pool: bool | str = False, num_stages: int | None = None,
+         schedule: str = "1f1b", n_microbatches: int | None = None, optimizer: str | float | None = None) -> Plan:
     """Plan a training step of `model` on `example_inputs` under `budget_gb` without running it
     (fake tensors only). Without a budget the plan keeps everything (the eager step).
     `target` (same as `device`): the device to plan for, which need not be present; with
     `offload=True` saved values may also be copied to host memory over its host link. With `pool`, the
     plan also reports what pooling the forward and backward graphs into one arena each would give
-    (`pool=True`: the intermediates whose pooling does not raise the graph's peak; `pool="all"`: all)."""
+    (`pool=True`: the intermediates whose pooling does not raise the graph's peak; `pool="all"`: all).
+    With `num_stages`, `example_inputs` is one microbatch and `budget_gb` is per pipeline stage:
+    see `fxmem.pipeline` (`schedule` "1f1b" or "gpipe", `n_microbatches`, `optimizer` state)."""
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
     check_pool(pool)
     request = _request(model, args, kwargs, budget_gb, None, target or device, solver, time_limit_s, offload)
+    if num_stages is not None:
+        if offload or pool:
+            raise ValueError("num_stages= plans pipeline stages; offload= and pool= apply to one device's step, "
+                             "not yet to pipeline stages")
+        from fxmem.pipeline import PipelineRequest, plan_pipeline
+
+        return plan_pipeline(model, args, kwargs, request,
+                             PipelineRequest(num_stages, schedule, n_microbatches, optimizer))
     if request.budget_bytes is None:
         request.budget_bytes = 2**62
     if not any(p.requires_grad for _, p in _state(model)):

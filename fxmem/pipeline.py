@@ -1,0 +1,266 @@
+"""Pipeline parallelism: choose stage boundaries with the stage solver, run them on torch.distributed.pipelining.
+
+`plan_pipeline` (called by `fxmem.plan(..., num_stages=S)`) captures the model, costs AOTAutograd's
+joint graph on fake tensors, sums forward+backward seconds and saved bytes per unit of the captured
+graph, solves `fxmem.solve.stages`, and plans recompute inside any stage that only fits with it
+(`fxmem.plan` on that stage's module). `pipeline_stage` rebuilds one stage on a rank and wraps it in
+a `PipelineStage`. Reads the model and inputs; writes nothing to disk.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import torch
+import torch.fx
+
+from fxmem.capture import capture
+from fxmem.errors import FxmemError, InfeasibleBudgetError, PlanMismatchError, fmt_bytes
+from fxmem.passes.shard import crossing, split_stages, tag_units
+from fxmem.plan import Plan
+from fxmem.solve.stages import StageProblem, solve_stages, stage_cost
+from fxmem.stage_costs import (PipelineRequest, _example, _input_specs, baseline_cuts, build_problem,  # noqa: F401
+                               captured_fingerprint, layer_units, problem_from_plan)
+
+MAX_ROUNDS = 4
+
+
+def _eager_plan_and_joint(model, args, kwargs, request):
+    """The whole model's eager plan (one microbatch) and the joint graph it was made from."""
+    import torch.utils._pytree as pytree
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fxmem.planner import Planner
+    from fxmem.runtime import CompiledStep, _state
+
+    class Recorder(Planner):
+        def __call__(self, joint, inputs, **kw):
+            self.joint = joint
+            return super().__call__(joint, inputs, **kw)
+
+    recorder = Recorder(dataclasses.replace(request, budget_bytes=2**62))
+    gm = capture(model, args, kwargs)
+    step = CompiledStep(model, gm, recorder)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        step({k: fake(v) for k, v in _state(model)}, pytree.tree_map(fake, args), pytree.tree_map(fake, kwargs))
+    return recorder.plan, recorder.joint, gm
+
+
+def plan_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict, plan_request, request: PipelineRequest) -> Plan:
+    """The pipeline Plan: the whole model's eager plan for one microbatch, plus stages, balance and
+    the recompute plans of stages that only fit with recompute."""
+    if kwargs:
+        raise FxmemError(f"pipeline planning takes positional inputs only, got keyword inputs {sorted(kwargs)}: "
+                         "the first stage receives the schedule's positional microbatch arguments")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("no parameter requires grad: there is no training step to plan")
+    _input_specs(args)
+    budget_bytes, time_limit_s, solver = plan_request.budget_bytes, plan_request.time_limit_s, plan_request.solver
+    base, joint, gm = _eager_plan_and_joint(model, args, kwargs, plan_request)
+    if request.schedule not in ("1f1b", "gpipe"):
+        raise ValueError(f"schedule must be '1f1b' or 'gpipe', got {request.schedule!r}")
+    units = tag_units(gm, model)
+    m = request.n_microbatches or request.num_stages
+    saved = {r["name"]: r["bytes"] for r in base.nodes if r["decision"] == "save"}
+    problem, readers = build_problem(gm, model, units, joint, saved, budget_bytes=budget_bytes, request=request,
+                                     device_name=base.device, n_microbatches=m)
+    if problem.num_stages > problem.num_units:
+        raise ValueError(f"num_stages={problem.num_stages} but the model has only {problem.num_units} units "
+                         f"to place ({', '.join(problem.names)}); use fewer stages")
+    cuts = crossing(gm, problem.num_units)
+    needs: list[int] = []
+    seen: dict[tuple[int, int, int], Any] = {}
+    for _ in range(MAX_ROUNDS):  # the stage model proposes, fxmem's planner checks each stage's step
+        try:
+            solved = solve_stages(problem)
+        except InfeasibleBudgetError:
+            if not problem.excluded:
+                raise
+            raise _planner_infeasible(problem, budget_bytes, needs) from None
+        modules = split_stages(gm, list(solved.cuts), problem.num_units)
+        for k, st in enumerate(solved.stages):
+            if (st.first, st.last, k) not in seen:
+                seen[st.first, st.last, k] = _check_stage(modules[k], k, st, problem, cuts, args, budget_bytes,
+                                                          time_limit_s, solver, needs)
+        checked = [seen[st.first, st.last, k] for k, st in enumerate(solved.stages)]
+        misfits = {(st.first, st.last, k) for k, (st, c) in enumerate(zip(solved.stages, checked)) if c is None}
+        if not misfits:
+            break
+        problem = dataclasses.replace(problem, excluded=problem.excluded | misfits)
+    else:
+        raise _planner_infeasible(problem, budget_bytes, needs)
+    stages = []
+    for k, (st, (stage_plan, peak)) in enumerate(zip(solved.stages, checked)):
+        # time: the eager stage plus what the stage's own recompute plan adds (not the model's every-unit guess)
+        eager = stage_cost(problem, st.first, st.last, k)
+        extra = stage_plan["predicted_step_s"] - stage_plan["baseline_step_s"] if stage_plan else 0.0
+        params = sorted(name for name, users in readers.items() if any(st.first <= u <= st.last for u in users))
+        stages.append({
+            "index": k, "modules": [u.label for u in units[st.first:st.last + 1]],
+            "nodes": [n for u in units[st.first:st.last + 1] for n in u.nodes],
+            "parameters": params, "param_bytes": st.param_bytes, "activation_bytes": st.act_bytes,
+            "in_flight": st.in_flight, "predicted_peak_bytes": peak, "time_s": eager.time_s + extra,
+            "compute_s": eager.compute_s + extra, "transfer_s": eager.transfer_s,
+            "sends": [n.name for n in cuts[st.last]] if st.last < problem.num_units - 1 else [],
+            "recompute": stage_plan is not None, "plan": stage_plan,
+            "peak_from": "stage model" if budget_bytes is None else "fxmem planner"})
+    shared = sorted(name for name, users in readers.items()
+                    if sum(any(s.first <= u <= s.last for u in users) for s in solved.stages) > 1)
+    slowest = max(s["time_s"] for s in stages)
+    info = {"num_stages": problem.num_stages, "schedule": problem.schedule, "n_microbatches": m,
+            "optimizer": request.optimizer, "lower_bound_s": solved.lower_bound_s, "slowest_s": slowest,
+            "first_units": list(solved.cuts), "num_units": problem.num_units, "units": list(problem.names),
+            "graph_fingerprint": captured_fingerprint(gm), "inputs": _input_specs(args), "shared_parameters": shared,
+            "link_bytes_per_s": problem.link_bytes_per_s, "unit_time_s": list(problem.time_s),
+            "unit_recompute_s": list(problem.recompute_s), "unit_param_bytes": list(problem.param_bytes),
+            "unit_act_bytes": list(problem.act_bytes), "unit_ckpt_bytes": list(problem.ckpt_bytes),
+            "cut_bytes": list(problem.cut_bytes), "shared": [[size, list(users)] for size, users in problem.shared],
+            "opt_bytes_per_param_byte": problem.opt_bytes_per_param_byte, "budget_bytes": budget_bytes}
+    peak = max(s["predicted_peak_bytes"] for s in stages)
+    return dataclasses.replace(base, budget_bytes=int(budget_bytes) if budget_bytes is not None else peak,
+                               predicted_peak_bytes=peak, stages=tuple(stages),
+                               stage_balance=slowest / solved.lower_bound_s if solved.lower_bound_s else 1.0,
+                               pipeline=info)
+
+
+def _stage_inputs(k: int, problem: StageProblem, cuts, args: tuple, first: int) -> list[torch.Tensor]:
+    if k == 0:
+        return [torch.zeros_like(a) for a in args]
+    vals = [n.meta["val"] for n in cuts[first - 1]]
+    return [torch.zeros(v.shape, dtype=v.dtype).requires_grad_(v.is_floating_point()) for v in vals]
+
+
+def _planner_infeasible(problem: StageProblem, budget_bytes: int, needs: list[int]) -> InfeasibleBudgetError:
+    """`needs`: the least stage budgets fxmem's planner reported for the stages it refused."""
+    need = min(needs, default=budget_bytes + 1)
+    err = InfeasibleBudgetError(budget_bytes, need)
+    err.args = (f"no split into {problem.num_stages} pipeline stages fits {fmt_bytes(budget_bytes)} per stage: "
+                f"the splits the stage model found feasible need at least {fmt_bytes(need)} once fxmem's planner "
+                f"checks each stage's step (with recompute); raise budget_gb to at least {need / 2**30:.3f}, "
+                "use more stages, fewer microbatches in flight (schedule='1f1b'), or a smaller microbatch",)
+    return err
+
+
+def _kept_bytes(plan: Plan) -> int:
+    return sum(r["bytes"] for r in plan.nodes if r["decision"] == "save")
+
+
+def _check_stage(module, k, st, problem: StageProblem, cuts, args, budget_bytes, time_limit_s, solver,
+                 needs: list[int]):
+    """(recompute plan as a dict or None, predicted stage peak) for one stage, or None if it cannot fit.
+
+    The stage's peak: fxmem's simulated peak of one microbatch's step (its parameters, gradients,
+    inputs, activations and temporaries), plus what the other microbatches in flight keep (the
+    activations the step saves and their received inputs), plus optimizer state. Without recompute
+    if that fits, else with fxmem's recompute plan under the budget that leaves, tightened until it fits."""
+    from fxmem.runtime import plan as make_plan
+
+    if budget_bytes is None:  # nothing to check against: the stage model's (additive) estimate
+        return None, st.memory_bytes
+    inputs = _stage_inputs(k, problem, cuts, args, st.first)
+    received = problem.cut_bytes[st.first - 1] if st.first else 0
+    opt = int(st.param_bytes * problem.opt_bytes_per_param_byte)
+    others = st.in_flight - 1
+    eager = make_plan(module, inputs)
+    total = eager.baseline_peak_bytes + others * (_kept_bytes(eager) + received) + opt
+    if total <= budget_bytes:
+        return None, total
+    # the least the other microbatches can keep: every unit checkpointed where that keeps less
+    least_kept = sum(min(c, a) for c, a in zip(problem.ckpt_bytes[st.first:st.last + 1],
+                                               problem.act_bytes[st.first:st.last + 1]))
+    step_budget = min(eager.baseline_peak_bytes - 1, budget_bytes - opt - others * (least_kept + received))
+    for _ in range(6):
+        if step_budget <= 0:
+            return None
+        try:
+            plan = make_plan(module, inputs, budget_gb=step_budget / 2**30, time_limit_s=time_limit_s, solver=solver)
+        except InfeasibleBudgetError as exc:
+            needs.append(exc.min_budget_bytes + opt + others * (least_kept + received))
+            return None
+        total = plan.predicted_peak_bytes + others * (_kept_bytes(plan) + received) + opt
+        if total <= budget_bytes:
+            return json.loads(plan.to_json()), total
+        # a byte less in the step's budget is about a byte less kept for each other microbatch too
+        step_budget -= max((total - budget_bytes) // (1 + others), 4096)
+    needs.append(total)
+    return None
+
+
+def stage_modules(model: torch.nn.Module, plan: Plan) -> list[torch.fx.GraphModule]:
+    """Every stage's module, rebuilt from the model as the plan says (checks the graph is the same)."""
+    info = plan.pipeline
+    if not info:
+        raise PlanMismatchError("this plan has no pipeline stages; make it with fxmem.plan(..., num_stages=S)")
+    args = [_example(spec) for spec in info["inputs"]]
+    gm = capture(model, args)
+    units = tag_units(gm, model)
+    if captured_fingerprint(gm) != info["graph_fingerprint"] or len(units) != info["num_units"]:
+        raise PlanMismatchError(f"the pipeline plan was made for another graph (model {plan.model}); make the plan "
+                                "again for this model, configuration and torch version")
+    return split_stages(gm, info["first_units"], len(units))
+
+
+def pipeline_stage(model: torch.nn.Module, plan: Plan, stage_index: int, device: torch.device | str,
+                   group: Any = None):
+    """This rank's `torch.distributed.pipelining.PipelineStage`. The stage module holds `model`'s own
+    parameters under their original names (mapping `stage.fxmem_param_names`); where the plan
+    recomputes inside the stage, the module is `fxmem.optimize(stage module, plan=stage plan)`."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from fxmem.runtime import optimize
+
+    num_stages = plan.pipeline.get("num_stages", 0) if plan.pipeline else 0
+    if not 0 <= stage_index < max(num_stages, 1) or not num_stages:
+        raise ValueError(f"stage_index {stage_index} is not a stage of this plan ({num_stages} stages)")
+    module = stage_gm = stage_modules(model, plan)[stage_index].to(device)
+    names = module.meta["fxmem_param_names"]
+    stage_plan = plan.stages[stage_index].get("plan")
+    if stage_plan:
+        module = optimize(module, plan=Plan.from_json(json.dumps(stage_plan)))
+    # Static shapes from the plan (one microbatch): PipelineStage then skips its shape inference, which
+    # runs the stage on uninitialised tensors (integer ids or targets there would be out of range).
+    ins, outs = _stage_io(stage_gm, stage_index > 0)
+    stage = PipelineStage(module, stage_index, num_stages, torch.device(device), input_args=ins, output_args=outs,
+                          group=group)
+    stage.fxmem_param_names = names
+    stage.fxmem_shared = {name: model.get_parameter(name) for name in plan.pipeline["shared_parameters"]}
+    return stage
+
+
+def _stage_io(gm: torch.fx.GraphModule, receives: bool) -> tuple[tuple, tuple]:
+    """Meta tensors shaped like a stage's inputs and outputs for one microbatch."""
+    def meta(node: Any, grad: bool = False) -> torch.Tensor:
+        v = node.meta["val"]
+        t = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+        return t.requires_grad_(grad and t.is_floating_point())
+
+    ins = tuple(meta(n, receives) for n in gm.graph.find_nodes(op="placeholder"))
+    out = gm.graph.output_node().args[0]
+    outs = tuple(meta(n, True) for n in (out if isinstance(out, (tuple, list)) else (out,)))
+    return ins, outs
+
+
+def sync_shared_grads(stages, group: Any = None) -> None:
+    """Sum the gradients of parameters several stages read (tied embeddings) across all ranks.
+    Call once on every rank after `schedule.step(...)` and before `optimizer.step()`, with this
+    rank's stage or, for interleaved schedules, the list of its stages."""
+    import torch.distributed as dist
+
+    stages = list(stages) if isinstance(stages, (list, tuple)) else [stages]
+    held = {id(p) for stage in stages for p in stage.submod.parameters()}
+    shared = stages[0].fxmem_shared
+    for name in sorted(shared):
+        param = shared[name]
+        mine = id(param) in held
+        grad = param.grad if mine and param.grad is not None else torch.zeros_like(param)
+        dist.all_reduce(grad, group=group)
+        if mine:
+            param.grad = grad
+
+
+def output_is_loss(output: torch.Tensor, target: Any = None) -> torch.Tensor:
+    """`loss_fn` for a schedule whose model returns its own loss (pass any `target`, it is ignored)."""
+    return output
+

@@ -159,3 +159,12 @@ def test_offload_reaches_the_planner(capsys, tmp_path):
 def test_plan_table_and_quiet(capsys):
     code, out, err = cli(capsys, "mlp-tiny", "--budget-gb", "1", "--by", "op", "--quiet")
     assert code == 0 and err == "" and "addmm" in out and "predicted peak" in out
+
+
+def test_stages_reach_the_planner(capsys, tmp_path):
+    path = tmp_path / "plan.json"
+    code, out, err = cli(capsys, "gpt-tiny", "--budget-gb", "0.01", "--stages", "2", "--microbatches", "4",
+                         "--time-limit", "1", "--out", str(path))
+    assert code == 0, err
+    plan = fxmem.Plan.load(path)
+    assert len(plan.stages) == 2 and plan.stage_balance >= 1.0 and "pipeline: 2 stages" in out

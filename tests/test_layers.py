@@ -149,3 +149,14 @@ def test_detects_the_blocks_of_a_zoo_gpt():
         assert paths and all(path.startswith(f"blocks.{k}") for path in paths), paths
     rest = [v for v in range(p.num_values) if not layers.start <= v < layers.start + 3 * layers.length]
     assert not any(costs[p.names[v]].module.startswith("blocks.") for v in rest)
+
+
+def test_auto_picks_a_route_and_refuses_bad_input():
+    small = replace(stack(3), budget=(eager_peak(stack(3)) * 3) // 4)
+    sol = solve(small, "auto", 10.0)
+    assert sol.solver in ("exact", "greedy", "layered") and is_feasible(small, sol.recompute)
+    assert sol.objective == solve_exact(small, 10.0).objective  # small and proven within the limit
+    with pytest.raises(ValueError, match="positive"):
+        solve(replace(small, budget=0), "auto")
+    with pytest.raises(ValueError, match="auto"):
+        solve(small, "magic")

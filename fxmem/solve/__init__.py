@@ -50,13 +50,11 @@ def make_solution(problem: MemoryProblem, recompute: Iterable[int], status: str,
 def solve(problem: MemoryProblem, solver: str = "cpsat", time_limit_s: float = 10.0) -> Solution:
     """Run the named solver (see `SOLVERS`, or "auto": `fxmem.solve.auto`, which names the solver
     it picked in the Solution) on `problem` within about `time_limit_s` seconds."""
-    if solver == "auto" and problem.budget > 0:
-        return solve_auto(problem, time_limit_s)
-    if solver not in SOLVERS:
+    if solver != "auto" and solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of: auto, {', '.join(sorted(SOLVERS))}")
     if problem.budget <= 0:
         raise ValueError(f"memory budget must be positive, got {problem.budget}")
-    return SOLVERS[solver](problem, time_limit_s)
+    return solve_auto(problem, time_limit_s) if solver == "auto" else SOLVERS[solver](problem, time_limit_s)
 
 
 def min_peak(problem: MemoryProblem, time_limit_s: float = 10.0) -> tuple[int, frozenset[int]]:

@@ -20,6 +20,7 @@ from fxmem.capture import capture, flat_graph_inputs, structure_outputs
 from fxmem.cost import module_path
 from fxmem.errors import GIB, InfeasibleBudgetError
 from fxmem.plan import Plan
+from fxmem.wrapper import ModelWrapper
 from fxmem.solve.placement import PlacementError, place_regions
 from fxmem.passes.devices import place
 
@@ -103,20 +104,12 @@ def node_devices(model: torch.nn.Module, gm: torch.fx.GraphModule, plan: Plan) -
     return devices
 
 
-class PlacedModule(torch.nn.Module):
+class PlacedModule(ModelWrapper):
     """The model's own parameters and submodules, placed on several devices; trains like the model."""
 
     def __init__(self, model: torch.nn.Module, devices: Sequence[str], budgets: Sequence[int],
                  plan: Plan | None, device: Any):
-        super().__init__()
-        self._parameters = model._parameters
-        self._buffers = model._buffers
-        self._modules = model._modules
-        self.training = model.training
-        object.__setattr__(self, "fxmem_model", model)
-        object.__setattr__(self, "_setup", (list(devices), list(budgets), plan, device))
-        object.__setattr__(self, "_graph", None)
-        object.__setattr__(self, "plan", plan)
+        super().__init__(model, _setup=(list(devices), list(budgets), plan, device), _graph=None, plan=plan)
 
     @property
     def plans(self) -> list[Plan]:

@@ -318,8 +318,14 @@ def enable_offload(problem: MemoryProblem, step_ns: Iterable[int], transfer_ns: 
 
 def eager_decision(problem: MemoryProblem) -> frozenset[int]:
     """Recompute only what cannot be saved (views, parts of multi-output ops), as eager autograd
-    effectively does: the least recomputation that is valid. Walks inputs until saveable values."""
-    rec: set[int] = set()
+    effectively does: the least recomputation that is valid."""
+    return repair(problem, ())
+
+
+def repair(problem: MemoryProblem, recompute: Iterable[int]) -> frozenset[int]:
+    """`recompute` plus what must then be recomputed because it cannot be saved: walks the inputs
+    of every value that would be saved until saveable values."""
+    rec: set[int] = set(recompute)
     stack = [i for i in saved_set(problem, rec) if not problem.can_save[i]]
     while stack:
         i = stack.pop()

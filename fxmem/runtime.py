@@ -23,6 +23,7 @@ from fxmem.cost import DEVICE_PRESETS, DeviceSpec
 from fxmem.errors import GIB
 from fxmem.memory import simulate_step
 from fxmem.plan import Plan
+from fxmem.wrapper import ModelWrapper
 from fxmem.planner import Planner, PlanRequest
 
 log = logging.getLogger("fxmem")
@@ -207,7 +208,7 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
     return planner.plan
 
 
-class OptimizedModule(torch.nn.Module):
+class OptimizedModule(ModelWrapper):
     """The original model's parameters, buffers and submodules, with a planned training step.
 
     It shares `_parameters`, `_buffers` and `_modules` with the model, so `state_dict` keys are
@@ -215,25 +216,12 @@ class OptimizedModule(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, make_request: Callable[[tuple, dict], PlanRequest],
                  pool: bool | str = False):
-        super().__init__()
-        self._parameters = model._parameters
-        self._buffers = model._buffers
-        self._modules = model._modules
-        self.training = model.training
-        object.__setattr__(self, "fxmem_model", model)
-        object.__setattr__(self, "_make_request", make_request)
-        object.__setattr__(self, "_steps", {})
-        object.__setattr__(self, "_pool", pool)
+        super().__init__(model, _make_request=make_request, _steps={}, _pool=pool)
 
     @property
     def plans(self) -> list[Plan]:
         """The plans made or applied so far, one per input signature seen."""
         return [s.planner.plan for s in self._steps.values() if s.planner.plan is not None]
-
-    def train(self, mode: bool = True) -> "OptimizedModule":
-        self.fxmem_model.train(mode)
-        self.training = mode
-        return self
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         model = self.fxmem_model

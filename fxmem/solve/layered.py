@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from fxmem.problem import MemoryProblem, eager_decision, is_valid, peak_bytes, recompute_cost, saved_set
+from fxmem.problem import MemoryProblem, eager_decision, is_valid, peak_bytes, recompute_cost, repair, saved_set
 from fxmem.solve import Solution, make_solution
 from fxmem.solve.exact import _Model, solve_exact
-from fxmem.solve.layers import Layers, Window, find_layers, repair, window
+from fxmem.solve.layers import Layers, Window, find_layers, window
 
 MAX_TIME_S = 3.0  # the layered solver stops by then (or by the time limit), at any depth
 MAX_OPTIONS, OPTIONS_TIME_S = 32, 0.6  # Pareto options listed per layer and kind, and the time for each kind

@@ -144,15 +144,3 @@ def window(p: MemoryProblem, layer, context: frozenset[int]) -> Window:
     return Window(sub, tuple(members[k] for k in order), frozenset(own))
 
 
-def repair(p: MemoryProblem, rec: set[int]) -> frozenset[int]:
-    """`rec` plus what must be recomputed because it cannot be saved (as `eager_decision` does)."""
-    rec = set(rec)
-    wanted = {i for i, need in enumerate(p.needed) if need} | {j for i in rec for j in p.inputs[i]}
-    stack = [i for i in wanted - rec if not p.can_save[i]]
-    while stack:
-        i = stack.pop()
-        if i in rec:
-            continue
-        rec.add(i)
-        stack.extend(j for j in p.inputs[i] if not p.can_save[j] and j not in rec)
-    return frozenset(rec)

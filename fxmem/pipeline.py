@@ -18,10 +18,10 @@ import torch.fx
 from fxmem.capture import capture
 from fxmem.errors import FxmemError, InfeasibleBudgetError, PlanMismatchError, fmt_bytes
 from fxmem.passes.shard import crossing, split_stages, tag_units
-from fxmem.plan import Plan
+from fxmem.plan import Plan, graph_fingerprint
 from fxmem.solve.stages import StageProblem, solve_stages, stage_cost
 from fxmem.stage_costs import (PipelineRequest, _example, _input_specs, baseline_cuts, build_problem,  # noqa: F401
-                               captured_fingerprint, layer_units, problem_from_plan)
+                               layer_units, problem_from_plan)
 
 MAX_ROUNDS = 4
 
@@ -112,7 +112,7 @@ def plan_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict, plan_reques
     info = {"num_stages": problem.num_stages, "schedule": problem.schedule, "n_microbatches": m,
             "optimizer": request.optimizer, "lower_bound_s": solved.lower_bound_s, "slowest_s": slowest,
             "first_units": list(solved.cuts), "num_units": problem.num_units, "units": list(problem.names),
-            "graph_fingerprint": captured_fingerprint(gm), "inputs": _input_specs(args), "shared_parameters": shared,
+            "graph_fingerprint": graph_fingerprint(gm), "inputs": _input_specs(args), "shared_parameters": shared,
             "link_bytes_per_s": problem.link_bytes_per_s, "unit_time_s": list(problem.time_s),
             "unit_recompute_s": list(problem.recompute_s), "unit_param_bytes": list(problem.param_bytes),
             "unit_act_bytes": list(problem.act_bytes), "unit_ckpt_bytes": list(problem.ckpt_bytes),
@@ -196,7 +196,7 @@ def stage_modules(model: torch.nn.Module, plan: Plan) -> list[torch.fx.GraphModu
     args = [_example(spec) for spec in info["inputs"]]
     gm = capture(model, args)
     units = tag_units(gm, model)
-    if captured_fingerprint(gm) != info["graph_fingerprint"] or len(units) != info["num_units"]:
+    if graph_fingerprint(gm) != info["graph_fingerprint"] or len(units) != info["num_units"]:
         raise PlanMismatchError(f"the pipeline plan was made for another graph (model {plan.model}); make the plan "
                                 "again for this model, configuration and torch version")
     return split_stages(gm, info["first_units"], len(units))

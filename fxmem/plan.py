@@ -141,11 +141,15 @@ class Plan:
 
 
 def graph_fingerprint(gm: Any) -> str:
-    """Hash of (name, op, target, shape, dtype) over every node of an fx graph."""
+    """Hash of (name, op, target, shape, dtype) over every node of an fx graph, the same in every
+    process: targets by qualified name (a function's repr holds its address)."""
+    from torch.fx.node import _get_qualified_name
+
     digest = hashlib.sha256()
     for node in gm.graph.nodes:
+        target = node.target if isinstance(node.target, str) else _get_qualified_name(node.target)
         val = node.meta.get("val")
         shape = tuple(getattr(val, "shape", ())) if val is not None else None
         dtype = str(getattr(val, "dtype", ""))
-        digest.update(f"{node.name}|{node.op}|{node.target}|{shape}|{dtype}\n".encode())
+        digest.update(f"{node.name}|{node.op}|{target}|{shape}|{dtype}\n".encode())
     return digest.hexdigest()[:32]

@@ -7,7 +7,6 @@ Reads the captured graph (units tagged by `passes/shard.py`), the joint graph's 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from typing import Any, Sequence
 
 import torch
@@ -145,19 +144,6 @@ def build_problem(gm, model, units: list[Unit], joint, saved_bytes, *, budget_by
         opt_bytes_per_param_byte=optimizer_bytes_per_param_byte(request.optimizer),
         link_bytes_per_s=LINK_BYTES_PER_S.get(device_name, DEFAULT_LINK_BYTES_PER_S))
     return problem, readers
-
-
-def captured_fingerprint(gm: torch.fx.GraphModule) -> str:
-    """Hash of (name, op, target, shape, dtype) per node of a captured graph, the same in every process
-    (targets by qualified name: a built-in's repr holds its address)."""
-    digest = hashlib.sha256()
-    for node in gm.graph.nodes:
-        target = node.target if isinstance(node.target, str) else torch.fx.node._get_qualified_name(node.target)
-        val = node.meta.get("val")
-        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
-        dtype = str(val.dtype) if isinstance(val, torch.Tensor) else type(val).__name__
-        digest.update(f"{node.name}|{node.op}|{target}|{shape}|{dtype}\n".encode())
-    return digest.hexdigest()[:32]
 
 
 def _input_specs(args: Sequence[Any]) -> list[dict[str, Any]]:

@@ -143,8 +143,10 @@ def hf_gpt2(batch_size: int | None = None, seq_len: int = 256) -> tuple[nn.Modul
     import transformers
 
     config = transformers.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=8192, n_positions=seq_len,
-                                     use_cache=False)
+                                     use_cache=False, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
-    model = CausalLMLoss(transformers.GPT2LMHeadModel(config))
+    lm = transformers.GPT2LMHeadModel(config)
+    lm.loss_type = "ForCausalLM"
+    model = CausalLMLoss(lm)
     ids = torch.randint(config.vocab_size, (batch_size or 8, seq_len), generator=torch.Generator().manual_seed(0))
     return model, (ids, ids.clone())

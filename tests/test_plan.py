@@ -94,3 +94,18 @@ def test_infeasible_budget_names_the_minimum():
     ok = fxmem.plan(model, models.example_inputs("mlp-tiny"), budget_gb=err.min_budget_bytes / 2**30,
                     time_limit_s=5)
     assert ok.predicted_peak_bytes <= err.min_budget_bytes
+
+
+def test_fingerprint_is_the_same_in_another_process():
+    import subprocess
+    import sys
+
+    code = ("from fxmem.plan import graph_fingerprint; from fxmem import models; from fxmem.capture import capture; "
+            "print(graph_fingerprint(capture(models.from_name('gpt-tiny'), models.example_inputs('gpt-tiny'))))")
+    runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+            for _ in range(2)}
+    from fxmem.capture import capture
+    from fxmem.plan import graph_fingerprint
+
+    here = graph_fingerprint(capture(models.from_name("gpt-tiny"), models.example_inputs("gpt-tiny")))
+    assert runs == {here}

@@ -6,9 +6,9 @@ output's users at it. The planner can then keep the 1-byte mask and recompute th
 backward instead of keeping the float output (a random op itself is never recomputed). Nodes it
 adds carry meta["fxmem"]["dropout_of"] = the kernel node's name.
 
-Forward evaluates the product too (one pointwise multiply per dropout, counted by the simulator).
-Reading it off the kernel's output in forward instead would save that multiply, but the planner's
-simulation then missed real peaks by up to 1.4% on some plans; not done until that is understood.
+Forward evaluates the product too (one pointwise multiply per dropout, counted by the simulator);
+reading it off the kernel's output instead would save that multiply at the price of a forward
+graph whose values differ from the joint graph the planner simulated.
 """
 from __future__ import annotations
 

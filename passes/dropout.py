@@ -6,9 +6,8 @@ output's users at it. The planner can then keep the 1-byte mask and recompute th
 backward instead of keeping the float output (a random op itself is never recomputed). Nodes it
 adds carry meta["fxmem"]["dropout_of"] = the kernel node's name.
 
-Forward evaluates the product too (one pointwise multiply per dropout, counted by the simulator);
-reading it off the kernel's output instead would save that multiply at the price of a forward
-graph whose values differ from the joint graph the planner simulated.
+`fuse_forward_dropout` reads an extracted forward graph and maps those products back onto the
+kernel's own output, so forward does no extra work; only a backward recompute evaluates them.
 """
 from __future__ import annotations
 
@@ -58,3 +57,30 @@ def expose_dropout(gm: torch.fx.GraphModule) -> int:
         graph.lint()
         gm.recompile()
     return count
+
+
+def fuse_forward_dropout(fw: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """In a forward graph, read each dropout product off its kernel's output instead (the node
+    keeps its name)."""
+    graph, changed = fw.graph, False
+    kernels = {n.name: n for n in graph.find_nodes(op="call_function", target=aten.native_dropout.default)}
+    for node in list(graph.nodes):
+        source = node.meta.get("fxmem", {}).get("dropout_of") if node.op == "call_function" else None
+        if source not in kernels or node.target is not aten.mul.Tensor or not isinstance(node.args[1], float):
+            continue
+        kernel = kernels[source]
+        # The product becomes the kernel's output, keeping its name (plans and later passes refer
+        # to it) and its storage (the one backward receives).
+        kernel.meta["val"] = (node.meta["val"], *kernel.meta["val"][1:])
+        node.target, node.args, node.kwargs = operator.getitem, (kernel, 0), {}
+        old = next((u for u in kernel.users if u is not node and u.target is operator.getitem and u.args[1] == 0),
+                   None)
+        if old is not None:
+            old.replace_all_uses_with(node)
+            graph.erase_node(old)
+        changed = True
+    if changed:
+        graph.eliminate_dead_code()
+        graph.lint()
+        fw.recompile()
+    return fw

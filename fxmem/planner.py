@@ -23,7 +23,6 @@ from fxmem.plan import Plan, graph_fingerprint
 from fxmem.problem import enable_offload, eager_decision, offload_cost, saved_set
 from fxmem.schedule import JointSplit, Lowered, build_problem, split_joint
 from fxmem.solve import Solution, make_solution, min_peak, solve
-from fxmem.passes.dropout import expose_dropout
 from fxmem.passes.offload import offload as offload_pass, tag_offload
 from fxmem.passes.recompute import partition, tag_decisions
 from fxmem.passes.runner import run_passes
@@ -76,7 +75,6 @@ class Planner:
     def __call__(self, joint: torch.fx.GraphModule, _joint_inputs, *, num_fwd_outputs: int, **_kw
                  ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
         self.num_fwd_outputs = num_fwd_outputs
-        expose_dropout(joint)  # dropout outputs become recomputable from their masks
         fingerprint = graph_fingerprint(joint)
         if self.request.plan is not None:
             plan = self.request.plan

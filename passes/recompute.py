@@ -13,8 +13,6 @@ import torch.fx
 from torch._functorch.partitioners import _extract_fwd_bwd_modules, reordering_to_mimic_autograd_engine
 from torch.utils.checkpoint import CheckpointPolicy
 
-from fxmem.passes.dropout import fuse_forward_dropout
-
 
 def tag_decisions(joint: torch.fx.GraphModule, saved: Iterable[str], recomputed: Iterable[str]) -> torch.fx.GraphModule:
     saved, recomputed = set(saved), set(recomputed)
@@ -29,12 +27,11 @@ def tag_decisions(joint: torch.fx.GraphModule, saved: Iterable[str], recomputed:
 
 def partition(joint: torch.fx.GraphModule, saved: Iterable[str], *, num_fwd_outputs: int
               ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
-    """Forward and backward graphs that keep exactly `saved` (joint node names) between them.
-    Dropout products (see passes/dropout.py) are read off the dropout kernel in forward."""
+    """Forward and backward graphs that keep exactly `saved` (joint node names) between them."""
     by_name = {n.name: n for n in joint.graph.nodes}
     missing = [name for name in saved if name not in by_name]
     if missing:
         raise KeyError(f"saved values not in the joint graph: {missing[:5]}")
     saved_nodes = [by_name[name] for name in sorted(saved, key=list(by_name).index)]
     fw, bw = _extract_fwd_bwd_modules(joint, saved_nodes, [], num_fwd_outputs=num_fwd_outputs)
-    return fuse_forward_dropout(fw), reordering_to_mimic_autograd_engine(bw)
+    return fw, reordering_to_mimic_autograd_engine(bw)

@@ -121,15 +121,7 @@ class _State:
                 _put(self.made, v, entry[2])
                 _put(self.end, v, entry[3])
             else:
-                old, new = entry[2], entry[3]
-                size = self.p.size[v]
-                if new is not None:
-                    self.tree.add(new[0], new[1], -size)
-                if old is not None:
-                    self.tree.add(old[0], old[1], size)
-                    self.span[v] = old
-                else:
-                    self.span.pop(v, None)
+                self._set_span(v, entry[2], [])  # back to the span before
 
 
 def _put(d: dict, key: int, value: int | None) -> None:

@@ -3,23 +3,54 @@
     plan = fxmem.plan(model, example_inputs=(x,), budget_gb=8.0)
     print(plan.table())
     model2 = fxmem.optimize(model, plan=plan)      # or fxmem.optimize(model, budget_gb=8.0)
+
+The public API, and nothing else. Names are imported on first use, so `import fxmem` (and the
+torch-free solvers under `fxmem.solve`) load without torch.
 """
-from fxmem.capture import capture
-from fxmem.cost import DeviceSpec, HostLink
-from fxmem.errors import FxmemError, InfeasibleBudgetError, PlanMismatchError, TraceError
-from fxmem.plan import Plan
-from fxmem.runtime import OptimizedModule, optimize, plan
-from fxmem.estimate import Estimate, estimate
-from fxmem.capacity import max_batch_size
-from fxmem.check import check_plan
-from fxmem.solve.pack import Packing, pack_buffers
-from fxmem.pipeline import pipeline_stage
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "plan", "optimize", "pipeline_stage", "capture", "Plan", "DeviceSpec", "HostLink", "OptimizedModule",
-    "FxmemError", "InfeasibleBudgetError", "TraceError", "PlanMismatchError", "__version__",
-    "estimate", "Estimate", "max_batch_size", "check_plan",
-    "pack_buffers", "Packing",
-]
+# public name -> module that defines it
+_EXPORTS = {
+    "plan": "fxmem.runtime", "optimize": "fxmem.runtime", "OptimizedModule": "fxmem.runtime",
+    "pipeline_stage": "fxmem.pipeline", "capture": "fxmem.capture", "Plan": "fxmem.plan",
+    "DeviceSpec": "fxmem.cost", "HostLink": "fxmem.cost",
+    "FxmemError": "fxmem.errors", "InfeasibleBudgetError": "fxmem.errors", "TraceError": "fxmem.errors",
+    "PlanMismatchError": "fxmem.errors",
+    "estimate": "fxmem.estimate", "Estimate": "fxmem.estimate", "max_batch_size": "fxmem.capacity",
+    "check_plan": "fxmem.check", "pack_buffers": "fxmem.solve.packing", "Packing": "fxmem.solve.packing",
+}
+
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fxmem' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+class _Package(types.ModuleType):
+    """Three public functions share their name with a submodule (`plan`, `estimate`, `capture`).
+    Importing such a submodule would set the package attribute to the module; the function wins."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _EXPORTS and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -22,7 +22,8 @@ from fxmem.memory import MemoryTimeline, simulate_step, storages_of
 from fxmem.plan import Plan, graph_fingerprint
 from fxmem.problem import enable_offload, eager_decision, offload_cost, saved_set
 from fxmem.schedule import JointSplit, Lowered, build_problem, split_joint
-from fxmem.solve import Solution, make_solution, min_peak, solve
+from fxmem.solve.recompute import min_peak, solve
+from fxmem.solve.solution import Solution, make_solution
 from fxmem.passes.offload import offload as offload_pass, tag_offload
 from fxmem.passes.recompute import partition, tag_decisions
 from fxmem.passes.runner import run_passes

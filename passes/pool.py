@@ -22,7 +22,7 @@ import torch.utils._pytree as pytree
 
 from fxmem.errors import PackingError
 from fxmem.memory import storage_key, storages_of
-from fxmem.solve.pack import Packing, pack_buffers
+from fxmem.solve.packing import Packing, pack_buffers
 
 META_KEY = "fxmem_pool"
 

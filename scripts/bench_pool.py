@@ -13,6 +13,8 @@ when CUDA exists.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import torch
@@ -21,8 +23,9 @@ from tabulate import tabulate
 import fxmem
 from fxmem import models
 from fxmem.errors import fmt_bytes
-from fxmem.solve.pack import best_heuristic, heuristic_orders, live_profile, place
-from fxmem.solve.pack_gen import hard_instance
+from fxmem.solve.packing import best_heuristic, heuristic_orders, live_profile, place
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests/
+from tests.pack_instances import hard_instance  # noqa: E402
 
 TINY = [("mlp-tiny", 1024), ("gpt-tiny", None), ("resnet-tiny", None), ("unet-tiny", None)]
 REALISTIC = [("gpt-small", 8), ("resnet18", 8), ("unet-small", 4)]

@@ -23,10 +23,10 @@ from dataclasses import replace
 from tabulate import tabulate
 
 from fxmem.problem import NEVER, MemoryProblem, eager_decision, peak_bytes
-from fxmem.solve import solve
-from fxmem.solve.exact import exact_min_peak, solve_exact
-from fxmem.solve.layered import layered_min_peak
-from fxmem.solve.layers import find_layers
+from fxmem.solve.recompute import solve
+from fxmem.solve.recompute.exact import exact_min_peak, solve_exact
+from fxmem.solve.recompute.layered import layered_min_peak
+from fxmem.solve.recompute.layers import find_layers
 
 FRACTIONS = (0.9, 0.7, 0.5, 0.3)
 GAP_SOLVERS = ("auto", "layered", "cpsat", "greedy")

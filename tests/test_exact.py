@@ -6,9 +6,9 @@ import random
 from dataclasses import replace
 
 from fxmem.problem import is_feasible, peak_bytes, recompute_cost, violations
-from fxmem.solve import SOLVERS, solve, solve_brute, solve_cpsat, solve_greedy
-from fxmem.solve.brute import brute_min_peak
-from fxmem.solve.exact import exact_min_peak, solve_exact
+from fxmem.solve.recompute import SOLVERS, solve, solve_brute, solve_cpsat, solve_greedy
+from fxmem.solve.recompute.brute import brute_min_peak
+from fxmem.solve.recompute.exact import exact_min_peak, solve_exact
 from tests.test_solve import NAMED, Op, build, chain, diamonds, eager_peak, random_problem
 
 

@@ -9,11 +9,11 @@ from dataclasses import replace
 
 import pytest
 
-from fxmem.problem import eager_decision, is_feasible, is_valid, memory_profile, peak_bytes, recompute_cost, repair
-from fxmem.solve import SOLVERS, solve, solve_cpsat
-from fxmem.solve.exact import exact_min_peak, solve_exact
-from fxmem.solve.layered import layer_options, solve_layered
-from fxmem.solve.layers import find_layers, window
+from fxmem.problem import eager_decision, is_feasible, is_valid, memory_profile, recompute_cost, repair
+from fxmem.solve.recompute import SOLVERS, solve, solve_cpsat
+from fxmem.solve.recompute.exact import exact_min_peak, solve_exact
+from fxmem.solve.recompute.layered import layer_options, solve_layered
+from fxmem.solve.recompute.layers import find_layers, window
 from tests.test_solve import Op, build, eager_peak, random_problem
 
 

@@ -15,7 +15,7 @@ from fxmem.memory import simulate_step
 from fxmem.passes.offload import copy_in, copy_out, wait_in
 from fxmem.problem import (copies_in, copies_out, decision_cost, eager_decision, enable_offload, is_feasible,
                            is_valid, memory_profile, peak_bytes, recompute_cost, transfer_schedule)
-from fxmem.solve import min_peak, solve
+from fxmem.solve.recompute import min_peak, solve
 from fxmem.passes.recompute import partition
 from fxmem.planner import Planner, PlanRequest
 from tests.conftest import GIB, assert_trains_like, joint_of

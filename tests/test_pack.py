@@ -7,8 +7,8 @@ import pytest
 
 import fxmem
 from fxmem.errors import PackingError
-from fxmem.solve.pack import check_packing
-from fxmem.solve.pack_gen import hard_instance
+from fxmem.solve.packing import check_packing
+from tests.pack_instances import hard_instance
 
 
 def _no_overlap(buffers, packing, alignment):
@@ -113,8 +113,8 @@ def test_check_packing_catches_an_overlap():
 def test_skyline_search_respects_its_cap():
     import numpy as np
 
-    from fxmem.solve.pack import live_profile
-    from fxmem.solve.pack_search import skyline_pack
+    from fxmem.solve.packing import live_profile
+    from fxmem.solve.packing.search import skyline_pack
 
     arr = np.asarray(hard_instance(80, seed=2), dtype=np.int64)
     start, end, size = arr[:, 0], arr[:, 1], arr[:, 2] // 64

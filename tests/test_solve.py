@@ -12,9 +12,9 @@ import pytest
 
 from fxmem.problem import (NEVER, MemoryProblem, eager_decision, is_feasible, peak_bytes,
                            recompute_cost, violations)
-from fxmem.solve import SOLVERS, min_peak, solve, solve_brute, solve_cpsat, solve_greedy
-from fxmem.solve.brute import brute_min_peak
-from fxmem.solve.greedy import greedy_min_peak
+from fxmem.solve.recompute import SOLVERS, min_peak, solve, solve_brute, solve_cpsat, solve_greedy
+from fxmem.solve.recompute.brute import brute_min_peak
+from fxmem.solve.recompute.greedy import greedy_min_peak
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Placement of a model's regions on several devices: contiguous runs of units, in order.
 
 Reads per-unit times and memory and per-device budgets (plain numbers, no torch); returns which
-device each unit goes to. Exact dynamic program over split points: device k takes units
+device each unit goes to. Exact dynamic program over split points (`fxmem.solve.partition`): device k takes units
 [cut[k], cut[k+1]) (possibly none), the memory of each device stays within its budget, and the
 slowest device is as fast as it can be (ties: the fewest units moved to later devices).
 """
@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Sequence
+
+from fxmem.solve.partition import min_max_partition
 
 
 @dataclass(frozen=True)
@@ -39,34 +41,18 @@ def place_regions(seconds: Sequence[float], memory: Sequence[int], budgets: Sequ
         raise ValueError("no devices to place on")
     t = [0.0, *accumulate(seconds)]
     m = [0, *accumulate(memory)]
-    inf = float("inf")
-    # best[k][j]: least bottleneck placing units [0, j) on devices [0, k]; cut[k][j]: where device k starts.
-    best = [[inf] * (n + 1) for _ in range(d)]
-    cut = [[-1] * (n + 1) for _ in range(d)]
-    for j in range(n + 1):
-        if m[j] <= budgets[0]:
-            best[0][j], cut[0][j] = t[j], 0
-    for k in range(1, d):
-        for j in range(n + 1):
-            for i in range(j, -1, -1):  # device k takes [i, j); larger i first = fewer units on k
-                if m[j] - m[i] > budgets[k]:
-                    break
-                value = max(best[k - 1][i], t[j] - t[i])
-                if value < best[k][j]:
-                    best[k][j], cut[k][j] = value, i
-    if best[d - 1][n] == inf:
+
+    def run_cost(first: int, stop: int, k: int) -> float | None:
+        return t[stop] - t[first] if m[stop] - m[first] <= budgets[k] else None
+
+    runs = min_max_partition(n, d, run_cost, allow_empty=True, prefer_late_cuts=True)
+    if runs is None:
         largest = max(memory, default=0)
         raise PlacementError(
             f"the model does not fit on {d} device(s) with budgets {list(budgets)} bytes: its regions need "
             f"{m[n]} bytes in all, the largest single region {largest}; raise budget_gb, add devices, or "
             "lower the batch size")
-    device = [0] * n
-    j = n
-    for k in range(d - 1, -1, -1):
-        i = cut[k][j]
-        for u in range(i, j):
-            device[u] = k
-        j = i
+    device = [k for k, (first, stop) in enumerate(runs) for _ in range(first, stop)]
     per_time = tuple(sum(s for s, dev in zip(seconds, device) if dev == k) for k in range(d))
     per_mem = tuple(sum(b for b, dev in zip(memory, device) if dev == k) for k in range(d))
     return Placement(tuple(device), per_time, per_mem)

@@ -2,15 +2,15 @@
 
 Reads a `StageProblem` (per unit: forward+backward seconds, recompute seconds, parameter bytes,
 activation bytes per microbatch; per cut: bytes sent; no torch, no fx) and returns a `StagePlan`.
-Exact dynamic programme over (stage, last unit), O(S * n^2); ties go to the earliest cut, so every
+Exact dynamic programme over (stage, last unit), O(S * n^2) (`fxmem.solve.partition`); ties go to the earliest cut, so every
 rank that solves the same problem gets the same plan. Writes nothing.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from fxmem.errors import GIB, InfeasibleBudgetError, fmt_bytes
+from fxmem.solve.partition import min_max_partition
 
 SCHEDULES = ("1f1b", "gpipe")
 
@@ -192,9 +192,7 @@ def min_stage_memory(p: StageProblem) -> StagePlan:
 
 
 def _dp(p: StageProblem, key, respect_budget: bool) -> StagePlan | None:
-    n, S = p.num_units, p.num_stages
     pre = _Prefix(p)
-    inf = math.inf
 
     def choose(i: int, j: int, s: int) -> Stage | None:
         if respect_budget:
@@ -205,34 +203,14 @@ def _dp(p: StageProblem, key, respect_budget: bool) -> StagePlan | None:
             return ckpt if ckpt.memory_bytes < eager.memory_bytes else eager
         return eager
 
-    # value[s][j]: least max-key over stages 0..s covering units 0..j; back[s][j]: that last stage
-    value = [[inf] * n for _ in range(S)]
-    back: list[list[Stage | None]] = [[None] * n for _ in range(S)]
-    for j in range(n - S + 1):
-        st = choose(0, j, 0)
-        if st is not None:
-            value[0][j], back[0][j] = key(st), st
-    for s in range(1, S):
-        for j in range(s, n - (S - 1 - s)):
-            for i in range(s, j + 1):  # stage s is units i..j
-                prev = value[s - 1][i - 1]
-                if prev == inf:
-                    continue
-                st = choose(i, j, s)
-                if st is None:
-                    continue
-                v = max(prev, key(st))
-                if v < value[s][j]:
-                    value[s][j], back[s][j] = v, st
-    if value[S - 1][n - 1] == inf:
+    def run_cost(first: int, stop: int, s: int) -> float | None:
+        st = choose(first, stop - 1, s)
+        return None if st is None else key(st)
+
+    runs = min_max_partition(p.num_units, p.num_stages, run_cost)
+    if runs is None:
         return None
-    stages, j = [], n - 1
-    for s in range(S - 1, -1, -1):
-        st = back[s][j]
-        assert st is not None
-        stages.append(st)
-        j = st.first - 1
-    stages.reverse()
+    stages = [choose(first, stop - 1, s) for s, (first, stop) in enumerate(runs)]
     return StagePlan(tuple(stages), max(st.time_s for st in stages), lower_bound_s(p))
 
 
@@ -269,22 +247,8 @@ def evaluate(p: StageProblem, cuts: tuple[int, ...] | list[int]) -> StagePlan:
 def min_max_cuts(weights: list[float] | tuple[float, ...], num_stages: int) -> tuple[int, ...]:
     """Contiguous split whose heaviest stage (sum of weights) is least: DeepSpeed's 'parameters'
     partitioning with parameter counts as weights. Ties go to the earliest cut."""
-    n = len(weights)
     pre = _prefix(weights)
-    inf = math.inf
-    value = [[inf] * n for _ in range(num_stages)]
-    back = [[0] * n for _ in range(num_stages)]
-    for j in range(n):
-        value[0][j] = pre[j + 1]
-    for s in range(1, num_stages):
-        for j in range(s, n):
-            for i in range(s, j + 1):
-                v = max(value[s - 1][i - 1], pre[j + 1] - pre[i])
-                if v < value[s][j]:
-                    value[s][j], back[s][j] = v, i
-    cuts, j = [], n - 1
-    for s in range(num_stages - 1, 0, -1):
-        i = back[s][j]
-        cuts.append(i)
-        j = i - 1
-    return tuple(reversed(cuts))
+    runs = min_max_partition(len(weights), num_stages, lambda i, j, _: pre[j] - pre[i])
+    if runs is None:
+        raise ValueError(f"cannot split {len(weights)} units into {num_stages} non-empty stages")
+    return tuple(first for first, _ in runs[1:])

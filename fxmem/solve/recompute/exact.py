@@ -1,6 +1,6 @@
 """Exact keep-or-recompute solver: a time-indexed 0-1 program (Checkmate-style) solved to proof.
 
-Reads a `MemoryProblem`; writes nothing. An independent formulation from `fxmem.solve.cpsat`:
+Reads a `MemoryProblem`; writes nothing. An independent formulation from `fxmem.solve.recompute.cpsat`:
 memory is checked at every step where some lifetime can begin or end (the `saved_from`,
 `need_first` and `need_last` values; lifetimes of `fxmem.problem.lifetimes` only ever begin and
 end there) and on the open stretches between them, with booleans
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from fxmem.problem import NEVER, MemoryProblem, eager_decision, is_valid, peak_bytes
-from fxmem.solve import Solution, make_solution
+from fxmem.solve.solution import Solution, make_solution
 
 DEFAULT_TIME_LIMIT_S = 600.0
 

@@ -4,11 +4,11 @@ Reads a `MemoryProblem`; writes nothing. `find_layers` looks for the longest run
 that repeats with a fixed period (same sizes, costs, rules and in-layer wiring), from the
 problem alone. `window` makes a small problem of some candidates with the rest decided: the
 rest's bytes join the base, so the window's peak is the whole problem's peak under that decision.
-`fxmem.solve.layered` builds on both.
+`fxmem.solve.recompute.layered` builds on both.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 

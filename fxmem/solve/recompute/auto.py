@@ -4,7 +4,7 @@ CP-SAT on the rest.
 Reads a `MemoryProblem`; writes nothing. Small problems (up to `EXACT_MAX_CANDIDATES` candidates)
 usually get a proof of optimality within seconds and stop there (otherwise the best of the
 exact solver's, the greedy descent's and, with repeated layers, the layered solver's); problems with repeated
-identical layers are solved through one layer (`fxmem.solve.layered`) in a few seconds at any
+identical layers are solved through one layer (`fxmem.solve.recompute.layered`) in a few seconds at any
 depth; other problems, and every problem that may offload, get CP-SAT seeded by the greedy
 descent, for the whole time limit.
 """
@@ -13,12 +13,12 @@ from __future__ import annotations
 import time
 
 from fxmem.problem import MemoryProblem
-from fxmem.solve import Solution
-from fxmem.solve.cpsat import solve_cpsat
-from fxmem.solve.exact import solve_exact
-from fxmem.solve.greedy import solve_greedy
-from fxmem.solve.layered import solve_layered
-from fxmem.solve.layers import find_layers
+from fxmem.solve.solution import Solution
+from fxmem.solve.recompute.cpsat import solve_cpsat
+from fxmem.solve.recompute.exact import solve_exact
+from fxmem.solve.recompute.greedy import solve_greedy
+from fxmem.solve.recompute.layered import solve_layered
+from fxmem.solve.recompute.layers import find_layers
 
 EXACT_MAX_CANDIDATES = 200
 EXACT_SHARE = 0.7  # of the time limit, when the layered solver can take the rest

@@ -11,7 +11,7 @@ from typing import Iterator
 
 from fxmem.problem import (MemoryProblem, eager_decision, is_valid, peak_bytes,
                            recompute_cost)
-from fxmem.solve import Solution, make_solution
+from fxmem.solve.solution import Solution, make_solution
 
 MAX_CANDIDATES = 20
 

@@ -1,7 +1,7 @@
 """CP-SAT model of buffer packing: fixed time intervals, free offsets, `AddNoOverlap2D`.
 
 Reads numpy arrays of lifetimes, sizes and a feasible packing (the hint); returns better offsets
-or None. Torch-free; with `fxmem.solve.cpsat`, the only modules that import ortools.
+or None. Torch-free; with `fxmem.solve.recompute.cpsat`, the only modules that import ortools.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ time never share a byte (dynamic storage allocation with known lifetimes).
 
 Reads `(start, end, size)` triples (half-open lifetimes `[start, end)` in steps, sizes in bytes);
 returns a frozen `Packing`. Torch-free: best-fit heuristics here, a skyline search
-(`fxmem.solve.pack_search`), then OR-Tools CP-SAT (`fxmem.solve.pack_cpsat`) seeded with the best
+(`fxmem.solve.packing.search`), then OR-Tools CP-SAT (`fxmem.solve.packing.cpsat`) seeded with the best
 packing, until the lower bound is reached or time runs out.
 """
 from __future__ import annotations
@@ -181,7 +181,7 @@ def pack_buffers(buffers: Sequence[Sequence[int]], *, alignment: int = 64, time_
                  num_workers: int = 2, seed: int = 0) -> Packing:
     """Offsets for `(start, end, size)` buffers (half-open lifetimes) in one arena, as small as found
     within about `time_limit_s`: best-fit heuristics first, then a capped skyline search with
-    backtracking (`fxmem.solve.pack_search`, 60% of the time), then CP-SAT seeded with the best packing,
+    backtracking (`fxmem.solve.packing.search`, 60% of the time), then CP-SAT seeded with the best packing,
     each stopping as soon as the arena equals the lower bound."""
     started = time.perf_counter()
     rows = _validate(buffers, alignment, time_limit_s)
@@ -192,7 +192,7 @@ def pack_buffers(buffers: Sequence[Sequence[int]], *, alignment: int = 64, time_
     lower = int(live_profile(start, end, size)[1].max(initial=0))
     offsets, method = best_heuristic(start, end, size, min(1.0, time_limit_s / 10), seed)
     if arena_of(offsets, size) > lower and time_limit_s > 0:
-        from fxmem.solve.pack_search import skyline_search
+        from fxmem.solve.packing.search import skyline_search
 
         left = 0.6 * time_limit_s - (time.perf_counter() - started)
         found = skyline_search(start, end, size, lower, offsets, max(0.0, left), seed)
@@ -201,7 +201,7 @@ def pack_buffers(buffers: Sequence[Sequence[int]], *, alignment: int = 64, time_
     proved: set[int] = set()  # groups CP-SAT proved optimal
     groups = components(start, end)
     if arena_of(offsets, size) > lower and time_limit_s > 0:
-        from fxmem.solve.pack_cpsat import improve
+        from fxmem.solve.packing.cpsat import improve
 
         for g, group in enumerate(groups):
             left = time_limit_s - (time.perf_counter() - started)

@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _EXPORTS = {
-    "plan": "fxmem.runtime", "optimize": "fxmem.runtime", "OptimizedModule": "fxmem.runtime",
+    "plan": "fxmem.api", "optimize": "fxmem.api", "OptimizedModule": "fxmem.engine",
     "pipeline_stage": "fxmem.pipeline", "capture": "fxmem.capture", "Plan": "fxmem.plan",
     "DeviceSpec": "fxmem.cost", "HostLink": "fxmem.cost",
     "FxmemError": "fxmem.errors", "InfeasibleBudgetError": "fxmem.errors", "TraceError": "fxmem.errors",

@@ -26,11 +26,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from fxmem.budget import budget_bytes
 from fxmem.cost import DeviceSpec
+from fxmem.engine import describe_input
 from fxmem.errors import GIB, InfeasibleBudgetError
 from fxmem.plan import Plan
 from fxmem.planner import Planner, PlanRequest
-from fxmem.runtime import budget_bytes, describe_input
 
 log = logging.getLogger("fxmem")
 
@@ -53,8 +54,7 @@ class GraphRecord:
         """What this graph keeps alive for the whole step: static inputs, gradients, saved activations."""
         if self.plan is None:
             return 0
-        saved = sum(int(row.get("bytes", 0)) for row in self.plan.nodes if row.get("decision") == "save")
-        return sum(self.plan.breakdown.values()) + saved
+        return sum(self.plan.breakdown.values()) + self.plan.saved_bytes
 
 
 @dataclass
@@ -140,9 +140,6 @@ class _RecordingPlanner(Planner):
 
     def __call__(self, joint, joint_inputs, **kwargs):
         try:
-            if self.request.budget_bytes <= 0:
-                # earlier graphs already take the whole budget: find this graph's own minimum
-                self.request.budget_bytes = 1
             fw, bw = super().__call__(joint, joint_inputs, **kwargs)
         except InfeasibleBudgetError as exc:
             breakdown = dict(exc.breakdown)
@@ -196,7 +193,7 @@ def fxmem_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], optio
     device (DeviceSpec preset name used for pricing recompute, default "cpu"), solver (default "auto").
     """
     options = _validate(options)
-    budget = int(options["budget_gb"] * GIB)
+    budget = budget_bytes(options["budget_gb"])
     inner = options.get("inner") or ("inductor" if has_cxx_compiler() else "aot_eager")
     with _LOCK:
         entry = _LEDGERS.get(id(options))
@@ -208,7 +205,8 @@ def fxmem_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], optio
     reserved = ledger.reserved_by_others(frame)
     index = len(ledger.records)
     device = options.get("device", "cpu")
-    request = PlanRequest(budget_bytes=budget - reserved,
+    # when earlier graphs already take the whole budget, plan for 1 byte: the refusal names this graph's minimum
+    request = PlanRequest(budget_bytes=max(1, budget - reserved),
                           device=DeviceSpec.from_name(device) if isinstance(device, str) else device,
                           solver=options.get("solver", "auto"), time_limit_s=float(options.get("time_limit_s", 10.0)),
                           model=f"dynamo graph {index}", signature=f"({', '.join(map(describe_input, example_inputs))})")

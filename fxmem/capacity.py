@@ -9,6 +9,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from fxmem.api import plan as make_plan
 from fxmem.errors import InfeasibleBudgetError
 from fxmem.plan import Plan
 
@@ -62,8 +63,6 @@ def batch_search(factory: Factory, budget_gb: float, max_overhead: float = 0.1, 
                          f"{min_batch}, max_batch {max_batch}, multiple_of {multiple_of}")
     if max_overhead < 0:
         raise ValueError(f"max_overhead is a fraction >= 0 (0.1 = 10% slower), got {max_overhead}")
-    from fxmem.runtime import plan as make_plan
-
     trials: dict[int, tuple[Trial, Plan | None]] = {}
 
     def fits(units: int) -> bool:

@@ -9,13 +9,10 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
-import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxmem.capture import capture
+from fxmem.engine import plan_step, signature_of
 from fxmem.plan import Plan
-from fxmem.planner import Planner, PlanRequest
-from fxmem.runtime import CompiledStep, signature_of
+from fxmem.planner import PlanRequest
 
 
 def check_plan(model: torch.nn.Module, example_inputs: Sequence[Any], plan: Plan, *,
@@ -28,10 +25,4 @@ def check_plan(model: torch.nn.Module, example_inputs: Sequence[Any], plan: Plan
     signature = signature_of(model, args, kwargs)
     plan.check_applies(model=type(model).__qualname__, signature=signature, fingerprint=plan.fingerprint,
                        torch_version=torch.__version__)  # cheap checks first: no tracing
-    request = PlanRequest(budget_bytes=plan.budget_bytes, plan=plan, model=type(model).__qualname__,
-                          signature=signature)
-    step = CompiledStep(model, capture(model, args, kwargs), Planner(request))
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fake = lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t  # noqa: E731
-        state = {k: fake(v) for k, v in list(model.named_parameters()) + list(model.named_buffers())}
-        step(state, pytree.tree_map(fake, args), pytree.tree_map(fake, kwargs))
+    plan_step(model, args, kwargs, PlanRequest(plan=plan, model=type(model).__qualname__, signature=signature))

@@ -13,6 +13,8 @@ import os
 import sys
 from typing import Any, Callable, Iterator, Sequence
 
+from fxmem.optimizer_state import NAMED
+
 EXAMPLES = """\
 examples:
   fxmem-plan --list-models                          the zoo presets and their batch sizes
@@ -35,7 +37,6 @@ The budget bounds one training step (forward, loss, backward): parameters, gradi
 activations and temporaries, in GiB (2**30 bytes). Exit status: 0 on success, 2 on any error.
 """
 DTYPES = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
-OPTIMIZERS = ("none", "sgd", "sgd-momentum", "adam", "adamw")
 
 
 class CliError(Exception):
@@ -78,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="write a PNG of live memory over the step (eager vs plan) here")
     p.add_argument("--estimate", action="store_true", help="print the memory breakdown of an eager step "
                    "(parameters, gradients, optimizer state, activations by module) and exit")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+    p.add_argument("--optimizer", choices=("none", *NAMED), default="adamw",
                    help="optimizer whose state --estimate counts (default adamw)")
     p.add_argument("--max-batch", action="store_true", help="search the largest batch size that fits "
                    "--budget-gb, upward from --batch-size (default 1)")
@@ -210,10 +211,11 @@ def _estimate(args: argparse.Namespace, model: Any, inputs: tuple) -> None:
 
     from fxmem.estimate import estimate
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = {"none": lambda: None, "sgd": lambda: torch.optim.SGD(params, lr=0.1),
-                 "sgd-momentum": lambda: torch.optim.SGD(params, lr=0.1, momentum=0.9),
-                 "adam": lambda: torch.optim.Adam(params), "adamw": lambda: torch.optim.AdamW(params)}[args.optimizer]()
+    optimizer = None
+    if args.optimizer != "none":
+        kind, options = NAMED[args.optimizer]
+        optimizer_class = {c.__name__.lower(): c for c in vars(torch.optim).values() if isinstance(c, type)}[kind]
+        optimizer = optimizer_class([p for p in model.parameters() if p.requires_grad], lr=0.1, **options)
     print(estimate(model, inputs, optimizer).table())
 
 
@@ -241,7 +243,7 @@ def _write(args: argparse.Namespace, plan: Any) -> None:
 def run(args: argparse.Namespace) -> None:
     import fxmem
     from fxmem.progress import Progress
-    from fxmem.runtime import signature_of
+    from fxmem.engine import signature_of
 
     make = model_factory(args.model, args.seq_len)
     model, inputs = make(args.batch_size)

@@ -3,8 +3,8 @@
 `plan_pipeline` (called by `fxmem.plan(..., num_stages=S)`) captures the model, costs AOTAutograd's
 joint graph on fake tensors, sums forward+backward seconds and saved bytes per unit of the captured
 graph, solves `fxmem.solve.stages`, and plans recompute inside any stage that only fits with it
-(`fxmem.plan` on that stage's module). `pipeline_stage` rebuilds one stage on a rank and wraps it in
-a `PipelineStage`. Reads the model and inputs; writes nothing to disk.
+(the engine's `plan_step` on that stage's module). `pipeline_stage` rebuilds one stage on a rank and
+wraps it in a `PipelineStage`. Reads the model and inputs; writes nothing to disk.
 """
 from __future__ import annotations
 
@@ -16,9 +16,11 @@ import torch
 import torch.fx
 
 from fxmem.capture import capture
+from fxmem.engine import CompiledStep, OptimizedModule, plan_step, signature_of, trace_on_fakes
 from fxmem.errors import FxmemError, InfeasibleBudgetError, PlanMismatchError, fmt_bytes
 from fxmem.passes.shard import crossing, split_stages, tag_units
-from fxmem.plan import Plan, graph_fingerprint
+from fxmem.plan import PipelineSection, Plan, StageRow, graph_fingerprint
+from fxmem.planner import Planner, PlanRequest
 from fxmem.solve.stages import StageProblem, solve_stages, stage_cost
 from fxmem.stage_costs import (PipelineRequest, _example, _input_specs, baseline_cuts, build_problem,  # noqa: F401
                                layer_units, problem_from_plan)
@@ -26,25 +28,19 @@ from fxmem.stage_costs import (PipelineRequest, _example, _input_specs, baseline
 MAX_ROUNDS = 4
 
 
-def _eager_plan_and_joint(model, args, kwargs, request):
+class _JointRecorder(Planner):
+    """The planner, keeping the joint graph it planned."""
+
+    def __call__(self, joint, inputs, **kwargs):
+        self.joint = joint
+        return super().__call__(joint, inputs, **kwargs)
+
+
+def _eager_plan_and_joint(model, args, kwargs, request: PlanRequest):
     """The whole model's eager plan (one microbatch) and the joint graph it was made from."""
-    import torch.utils._pytree as pytree
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from fxmem.planner import Planner
-    from fxmem.runtime import CompiledStep, _state
-
-    class Recorder(Planner):
-        def __call__(self, joint, inputs, **kw):
-            self.joint = joint
-            return super().__call__(joint, inputs, **kw)
-
-    recorder = Recorder(dataclasses.replace(request, budget_bytes=2**62))
+    recorder = _JointRecorder(dataclasses.replace(request, budget_bytes=None))
     gm = capture(model, args, kwargs)
-    step = CompiledStep(model, gm, recorder)
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fake = lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t  # noqa: E731
-        step({k: fake(v) for k, v in _state(model)}, pytree.tree_map(fake, args), pytree.tree_map(fake, kwargs))
+    trace_on_fakes(CompiledStep(model, gm, recorder), model, args, kwargs)
     return recorder.plan, recorder.joint, gm
 
 
@@ -63,8 +59,7 @@ def plan_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict, plan_reques
         raise ValueError(f"schedule must be '1f1b' or 'gpipe', got {request.schedule!r}")
     units = tag_units(gm, model)
     m = request.n_microbatches or request.num_stages
-    saved = {r["name"]: r["bytes"] for r in base.nodes if r["decision"] == "save"}
-    problem, readers = build_problem(gm, model, units, joint, saved, budget_bytes=budget_bytes, request=request,
+    problem, readers = build_problem(gm, model, units, joint, base.saved_bytes_by_node(), budget_bytes=budget_bytes, request=request,
                                      device_name=base.device, n_microbatches=m)
     if problem.num_stages > problem.num_units:
         raise ValueError(f"num_stages={problem.num_stages} but the model has only {problem.num_units} units "
@@ -97,32 +92,32 @@ def plan_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict, plan_reques
         eager = stage_cost(problem, st.first, st.last, k)
         extra = stage_plan["predicted_step_s"] - stage_plan["baseline_step_s"] if stage_plan else 0.0
         params = sorted(name for name, users in readers.items() if any(st.first <= u <= st.last for u in users))
-        stages.append({
-            "index": k, "modules": [u.label for u in units[st.first:st.last + 1]],
-            "nodes": [n for u in units[st.first:st.last + 1] for n in u.nodes],
-            "parameters": params, "param_bytes": st.param_bytes, "activation_bytes": st.act_bytes,
-            "in_flight": st.in_flight, "predicted_peak_bytes": peak, "time_s": eager.time_s + extra,
-            "compute_s": eager.compute_s + extra, "transfer_s": eager.transfer_s,
-            "sends": [n.name for n in cuts[st.last]] if st.last < problem.num_units - 1 else [],
-            "recompute": stage_plan is not None, "plan": stage_plan,
-            "peak_from": "stage model" if budget_bytes is None else "fxmem planner"})
-    shared = sorted(name for name, users in readers.items()
-                    if sum(any(s.first <= u <= s.last for u in users) for s in solved.stages) > 1)
-    slowest = max(s["time_s"] for s in stages)
-    info = {"num_stages": problem.num_stages, "schedule": problem.schedule, "n_microbatches": m,
-            "optimizer": request.optimizer, "lower_bound_s": solved.lower_bound_s, "slowest_s": slowest,
-            "first_units": list(solved.cuts), "num_units": problem.num_units, "units": list(problem.names),
-            "graph_fingerprint": graph_fingerprint(gm), "inputs": _input_specs(args), "shared_parameters": shared,
-            "link_bytes_per_s": problem.link_bytes_per_s, "unit_time_s": list(problem.time_s),
-            "unit_recompute_s": list(problem.recompute_s), "unit_param_bytes": list(problem.param_bytes),
-            "unit_act_bytes": list(problem.act_bytes), "unit_ckpt_bytes": list(problem.ckpt_bytes),
-            "cut_bytes": list(problem.cut_bytes), "shared": [[size, list(users)] for size, users in problem.shared],
-            "opt_bytes_per_param_byte": problem.opt_bytes_per_param_byte, "budget_bytes": budget_bytes}
-    peak = max(s["predicted_peak_bytes"] for s in stages)
+        stages.append(StageRow(
+            index=k, modules=tuple(u.label for u in units[st.first:st.last + 1]),
+            nodes=tuple(n for u in units[st.first:st.last + 1] for n in u.nodes),
+            parameters=tuple(params), param_bytes=st.param_bytes, activation_bytes=st.act_bytes,
+            in_flight=st.in_flight, predicted_peak_bytes=peak, time_s=eager.time_s + extra,
+            compute_s=eager.compute_s + extra, transfer_s=eager.transfer_s,
+            sends=tuple(n.name for n in cuts[st.last]) if st.last < problem.num_units - 1 else (),
+            recompute=stage_plan is not None, plan=stage_plan,
+            peak_from="stage model" if budget_bytes is None else "fxmem planner"))
+    shared = tuple(sorted(name for name, users in readers.items()
+                          if sum(any(s.first <= u <= s.last for u in users) for s in solved.stages) > 1))
+    slowest = max(s.time_s for s in stages)
+    section = PipelineSection(
+        num_stages=problem.num_stages, schedule=problem.schedule, n_microbatches=m, optimizer=request.optimizer,
+        stages=tuple(stages), balance=slowest / solved.lower_bound_s if solved.lower_bound_s else 1.0,
+        lower_bound_s=solved.lower_bound_s, slowest_s=slowest, first_units=tuple(solved.cuts),
+        num_units=problem.num_units, units=tuple(problem.names), graph_fingerprint=graph_fingerprint(gm),
+        inputs=tuple(_input_specs(args)), shared_parameters=shared, link_bytes_per_s=problem.link_bytes_per_s,
+        unit_time_s=tuple(problem.time_s), unit_recompute_s=tuple(problem.recompute_s),
+        unit_param_bytes=tuple(problem.param_bytes), unit_act_bytes=tuple(problem.act_bytes),
+        unit_ckpt_bytes=tuple(problem.ckpt_bytes), cut_bytes=tuple(problem.cut_bytes),
+        shared=tuple((size, tuple(users)) for size, users in problem.shared),
+        opt_bytes_per_param_byte=problem.opt_bytes_per_param_byte, budget_bytes=budget_bytes)
+    peak = max(s.predicted_peak_bytes for s in stages)
     return dataclasses.replace(base, budget_bytes=int(budget_bytes) if budget_bytes is not None else peak,
-                               predicted_peak_bytes=peak, stages=tuple(stages),
-                               stage_balance=slowest / solved.lower_bound_s if solved.lower_bound_s else 1.0,
-                               pipeline=info)
+                               predicted_peak_bytes=peak, pipeline=section)
 
 
 def _stage_inputs(k: int, problem: StageProblem, cuts, args: tuple, first: int) -> list[torch.Tensor]:
@@ -143,8 +138,9 @@ def _planner_infeasible(problem: StageProblem, budget_bytes: int, needs: list[in
     return err
 
 
-def _kept_bytes(plan: Plan) -> int:
-    return sum(r["bytes"] for r in plan.nodes if r["decision"] == "save")
+def _stage_request(module, inputs, budget: int | None, time_limit_s: float, solver: str) -> PlanRequest:
+    return PlanRequest(budget_bytes=budget, solver=solver, time_limit_s=time_limit_s, model=type(module).__qualname__,
+                       signature=signature_of(module, inputs, {}))
 
 
 def _check_stage(module, k, st, problem: StageProblem, cuts, args, budget_bytes, time_limit_s, solver,
@@ -155,16 +151,14 @@ def _check_stage(module, k, st, problem: StageProblem, cuts, args, budget_bytes,
     inputs, activations and temporaries), plus what the other microbatches in flight keep (the
     activations the step saves and their received inputs), plus optimizer state. Without recompute
     if that fits, else with fxmem's recompute plan under the budget that leaves, tightened until it fits."""
-    from fxmem.runtime import plan as make_plan
-
     if budget_bytes is None:  # nothing to check against: the stage model's (additive) estimate
         return None, st.memory_bytes
     inputs = _stage_inputs(k, problem, cuts, args, st.first)
     received = problem.cut_bytes[st.first - 1] if st.first else 0
     opt = int(st.param_bytes * problem.opt_bytes_per_param_byte)
     others = st.in_flight - 1
-    eager = make_plan(module, inputs)
-    total = eager.baseline_peak_bytes + others * (_kept_bytes(eager) + received) + opt
+    eager = plan_step(module, inputs, {}, _stage_request(module, inputs, None, time_limit_s, solver))
+    total = eager.baseline_peak_bytes + others * (eager.saved_bytes + received) + opt
     if total <= budget_bytes:
         return None, total
     # the least the other microbatches can keep: every unit checkpointed where that keeps less
@@ -175,11 +169,11 @@ def _check_stage(module, k, st, problem: StageProblem, cuts, args, budget_bytes,
         if step_budget <= 0:
             return None
         try:
-            plan = make_plan(module, inputs, budget_gb=step_budget / 2**30, time_limit_s=time_limit_s, solver=solver)
+            plan = plan_step(module, inputs, {}, _stage_request(module, inputs, step_budget, time_limit_s, solver))
         except InfeasibleBudgetError as exc:
             needs.append(exc.min_budget_bytes + opt + others * (least_kept + received))
             return None
-        total = plan.predicted_peak_bytes + others * (_kept_bytes(plan) + received) + opt
+        total = plan.predicted_peak_bytes + others * (plan.saved_bytes + received) + opt
         if total <= budget_bytes:
             return json.loads(plan.to_json()), total
         # a byte less in the step's budget is about a byte less kept for each other microbatch too
@@ -193,39 +187,39 @@ def stage_modules(model: torch.nn.Module, plan: Plan) -> list[torch.fx.GraphModu
     info = plan.pipeline
     if not info:
         raise PlanMismatchError("this plan has no pipeline stages; make it with fxmem.plan(..., num_stages=S)")
-    args = [_example(spec) for spec in info["inputs"]]
+    args = [_example(spec) for spec in info.inputs]
     gm = capture(model, args)
     units = tag_units(gm, model)
-    if graph_fingerprint(gm) != info["graph_fingerprint"] or len(units) != info["num_units"]:
+    if graph_fingerprint(gm) != info.graph_fingerprint or len(units) != info.num_units:
         raise PlanMismatchError(f"the pipeline plan was made for another graph (model {plan.model}); make the plan "
                                 "again for this model, configuration and torch version")
-    return split_stages(gm, info["first_units"], len(units))
+    return split_stages(gm, list(info.first_units), len(units))
 
 
 def pipeline_stage(model: torch.nn.Module, plan: Plan, stage_index: int, device: torch.device | str,
                    group: Any = None):
     """This rank's `torch.distributed.pipelining.PipelineStage`. The stage module holds `model`'s own
     parameters under their original names (mapping `stage.fxmem_param_names`); where the plan
-    recomputes inside the stage, the module is `fxmem.optimize(stage module, plan=stage plan)`."""
-    from torch.distributed.pipelining import PipelineStage
+    recomputes inside the stage, the module runs the stage's plan as `fxmem.optimize` would."""
+    from torch.distributed.pipelining import PipelineStage  # only on ranks that run stages
 
-    from fxmem.runtime import optimize
-
-    num_stages = plan.pipeline.get("num_stages", 0) if plan.pipeline else 0
+    num_stages = plan.pipeline.num_stages if plan.pipeline else 0
     if not 0 <= stage_index < max(num_stages, 1) or not num_stages:
         raise ValueError(f"stage_index {stage_index} is not a stage of this plan ({num_stages} stages)")
     module = stage_gm = stage_modules(model, plan)[stage_index].to(device)
     names = module.meta["fxmem_param_names"]
-    stage_plan = plan.stages[stage_index].get("plan")
-    if stage_plan:
-        module = optimize(module, plan=Plan.from_json(json.dumps(stage_plan)))
+    stage_plan = plan.pipeline.stages[stage_index].stage_plan()
+    if stage_plan is not None:
+        module = OptimizedModule(module, lambda args, kwargs: PlanRequest(
+            budget_bytes=stage_plan.budget_bytes, plan=stage_plan, model=type(stage_gm).__qualname__,
+            signature=signature_of(stage_gm, args, kwargs)))
     # Static shapes from the plan (one microbatch): PipelineStage then skips its shape inference, which
     # runs the stage on uninitialised tensors (integer ids or targets there would be out of range).
     ins, outs = _stage_io(stage_gm, stage_index > 0)
     stage = PipelineStage(module, stage_index, num_stages, torch.device(device), input_args=ins, output_args=outs,
                           group=group)
     stage.fxmem_param_names = names
-    stage.fxmem_shared = {name: model.get_parameter(name) for name in plan.pipeline["shared_parameters"]}
+    stage.fxmem_shared = {name: model.get_parameter(name) for name in plan.pipeline.shared_parameters}
     return stage
 
 

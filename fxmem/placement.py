@@ -17,12 +17,14 @@ import torch
 import torch.fx
 
 from fxmem.capture import capture, flat_graph_inputs, structure_outputs
-from fxmem.cost import module_path
-from fxmem.errors import GIB, InfeasibleBudgetError
-from fxmem.plan import Plan
-from fxmem.wrapper import ModelWrapper
-from fxmem.solve.placement import PlacementError, place_regions
+from fxmem.cost import DeviceSpec, module_path
+from fxmem.engine import plan_step, signature_of
+from fxmem.errors import InfeasibleBudgetError
 from fxmem.passes.devices import place
+from fxmem.plan import DeviceRow, NodeRow, Plan
+from fxmem.planner import PlanRequest
+from fxmem.solve.placement import PlacementError, place_regions
+from fxmem.wrapper import ModelWrapper
 
 _CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
 
@@ -39,13 +41,13 @@ def unit_of(model: torch.nn.Module, path: str) -> str:
     return parts[0]
 
 
-def _units(model: torch.nn.Module, rows: Sequence[dict[str, Any]]) -> tuple[list[str], dict[str, list[dict]]]:
+def _units(model: torch.nn.Module, rows: Sequence[NodeRow]) -> tuple[list[str], dict[str, list[NodeRow]]]:
     """Units in forward order; rows of root-level ops join the unit running before them."""
     order: list[str] = []
-    members: dict[str, list[dict]] = {}
+    members: dict[str, list[NodeRow]] = {}
     current = None
     for row in rows:
-        unit = unit_of(model, row.get("module", ""))
+        unit = unit_of(model, row.module)
         if unit and unit not in members:  # a unit seen before (tied weights) does not start a new run
             order.append(unit)
             members[unit] = []
@@ -64,34 +66,34 @@ def _parameter_bytes(model: torch.nn.Module, unit: str) -> int:
     return sum(seen.values())
 
 
-def place_plan(model: torch.nn.Module, plan: Plan, devices: Sequence[str], budgets: Sequence[int]) -> Plan:
+def place_plan(model: torch.nn.Module, plan: Plan, devices: Sequence[str], budgets: Sequence[int | None]) -> Plan:
     """`plan` (a keep-all plan of the model) with `devices` entries: which units run where."""
     order, members = _units(model, plan.nodes)
     params = [_parameter_bytes(model, u) for u in order]
-    saved = [sum(r["bytes"] for r in members[u] if r["decision"] == "save") for u in order]
+    saved = [sum(r.bytes for r in members[u] if r.kept_on_device) for u in order]
     memory = [2 * p + a for p, a in zip(params, saved)]
-    seconds = [3 * sum(r["seconds"] for r in members[u]) for u in order]
+    seconds = [3 * sum(r.seconds for r in members[u]) for u in order]
     try:
         placement = place_regions(seconds, memory, budgets)
     except PlacementError as error:
-        raise InfeasibleBudgetError(min(budgets), max(memory, default=0), {
+        raise InfeasibleBudgetError(min(b for b in budgets if b is not None), max(memory, default=0), {
             "parameters and gradients": 2 * sum(params), "saved activations": sum(saved)}) from error
     entries = []
     for k, device in enumerate(devices):
-        units = [u for u, d in zip(order, placement.device) if d == k]
-        entries.append({"device": str(device), "modules": units,
-                        "parameter_bytes": sum(p for p, d in zip(params, placement.device) if d == k),
-                        "peak_bytes": placement.memory[k], "seconds": placement.seconds[k],
-                        "budget_bytes": int(budgets[k])})
-    return dataclasses.replace(plan, devices=tuple(entries), budget_bytes=int(min(budgets)))
+        entries.append(DeviceRow(
+            device=str(device), modules=tuple(u for u, d in zip(order, placement.device) if d == k),
+            parameter_bytes=sum(p for p, d in zip(params, placement.device) if d == k),
+            peak_bytes=placement.memory[k], seconds=placement.seconds[k], budget_bytes=budgets[k]))
+    limits = [b for b in budgets if b is not None]
+    return dataclasses.replace(plan, devices=tuple(entries), budget_bytes=min(limits) if limits else plan.budget_bytes)
 
 
 def node_devices(model: torch.nn.Module, gm: torch.fx.GraphModule, plan: Plan) -> dict[str, tuple[str, int]]:
     """(device, region) per node of a captured graph: its module's unit's; nodes outside any module
     run where the node before them ran."""
-    where = {u: (e["device"], k) for k, e in enumerate(plan.devices) for u in e["modules"]}
+    where = {u: (e.device, k) for k, e in enumerate(plan.devices) for u in e.modules}
     devices: dict[str, tuple[str, int]] = {}
-    current = (plan.devices[0]["device"], 0)
+    current = (plan.devices[0].device, 0)
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             owner = node.target.rpartition(".")[0]
@@ -107,8 +109,8 @@ def node_devices(model: torch.nn.Module, gm: torch.fx.GraphModule, plan: Plan) -
 class PlacedModule(ModelWrapper):
     """The model's own parameters and submodules, placed on several devices; trains like the model."""
 
-    def __init__(self, model: torch.nn.Module, devices: Sequence[str], budgets: Sequence[int],
-                 plan: Plan | None, device: Any):
+    def __init__(self, model: torch.nn.Module, devices: Sequence[str], budgets: Sequence[int | None],
+                 plan: Plan | None, device: DeviceSpec):
         super().__init__(model, _setup=(list(devices), list(budgets), plan, device), _graph=None, plan=plan)
 
     @property
@@ -123,33 +125,13 @@ class PlacedModule(ModelWrapper):
         return structure_outputs(self._graph, raw)
 
     def _build(self, args: tuple, kwargs: dict) -> None:
-        from fxmem.runtime import plan as make_plan
-
         devices, budgets, plan, device = self._setup
         model = self.fxmem_model
         if plan is None or not plan.devices:
-            keep_all = make_plan(model, args, example_kwargs=kwargs, device=device)
-            plan = place_plan(model, keep_all, devices, budgets)
+            request = PlanRequest(device=device, model=type(model).__qualname__,
+                                  signature=signature_of(model, args, kwargs))
+            plan = place_plan(model, plan_step(model, args, kwargs, request), devices, budgets)
         gm = capture(model, args, kwargs)
-        place(gm, node_devices(model, gm, plan), str(plan.devices[0]["device"]))
+        place(gm, node_devices(model, gm, plan), str(plan.devices[0].device))
         object.__setattr__(self, "_graph", gm)
         object.__setattr__(self, "plan", plan)
-
-
-def optimize_on_devices(model: torch.nn.Module, devices: Sequence[str], *, budget_gb: float | Sequence[float] | None,
-                        plan: Plan | None = None, device: Any = None) -> PlacedModule:
-    """See `fxmem.optimize(..., devices=...)`: `budget_gb` is per device (one number or one per device)."""
-    devices = [str(d) for d in devices]
-    if not devices:
-        raise ValueError("devices= needs at least one device, e.g. ['cuda:0', 'cuda:1']")
-    if plan is not None and not plan.devices:
-        raise ValueError("plan= has no device placement; make one with fxmem.optimize(model, budget_gb=..., "
-                         "devices=[...]) and reuse its .plan")
-    if budget_gb is None:
-        budgets = [int(e["budget_bytes"]) for e in plan.devices] if plan is not None else [2**62] * len(devices)
-    else:
-        per = list(budget_gb) if isinstance(budget_gb, (list, tuple)) else [budget_gb] * len(devices)
-        if len(per) != len(devices) or any(not isinstance(b, (int, float)) or b <= 0 for b in per):
-            raise ValueError(f"budget_gb must be a positive number or one per device ({len(devices)}), got {budget_gb!r}")
-        budgets = [int(b * GIB) for b in per]
-    return PlacedModule(model, devices, budgets, plan, device)

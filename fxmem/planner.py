@@ -4,7 +4,8 @@ Reads the joint graph AOTAutograd traces (its `meta["val"]`), costs it, builds t
 solves it, and checks each candidate decision by simulating the forward and backward graphs it
 produces; tightens the solver's budget until the simulated peak fits. With offload allowed it plans
 recompute-only too and keeps the faster of the two plans that fit. Applying a given Plan instead
-checks its fingerprint first. Writes `meta["fxmem"]` on joint nodes; keeps the Plan on `self.plan`.
+checks its fingerprint first. Then runs the step's passes (`STEP_PASSES`: recompute, offload, pool)
+on the graphs for that plan. Keeps the Plan on `self.plan`; writes what the passes write in `meta`.
 """
 from __future__ import annotations
 
@@ -19,14 +20,17 @@ import torch.fx
 from fxmem.cost import DEVICE_PRESETS, HOST_LINKS, CostTable, DeviceSpec, estimate
 from fxmem.errors import InfeasibleBudgetError, fmt_bytes
 from fxmem.memory import MemoryTimeline, simulate_step, storages_of
-from fxmem.plan import Plan, graph_fingerprint
+from fxmem.plan import NodeRow, Plan, PoolSection, graph_fingerprint
 from fxmem.problem import enable_offload, eager_decision, offload_cost, saved_set
 from fxmem.schedule import JointSplit, Lowered, build_problem, split_joint
 from fxmem.solve.recompute import min_peak, solve
 from fxmem.solve.solution import Solution, make_solution
-from fxmem.passes.offload import offload as offload_pass, tag_offload
-from fxmem.passes.recompute import partition, tag_decisions
-from fxmem.passes.runner import run_passes
+from fxmem.passes.offload import offload, offload_pass
+from fxmem.passes.pool import pool_pass, pool_stats
+from fxmem.passes.recompute import partition, recompute_pass
+from fxmem.passes.runner import StepGraphs, run_passes
+
+STEP_PASSES = (recompute_pass, offload_pass, pool_pass)
 
 MAX_TIGHTENINGS = 8
 log = logging.getLogger("fxmem")
@@ -42,9 +46,10 @@ def safety_bytes(budget: int) -> int:
     return max(SAFETY_MIN_BYTES, int(budget * SAFETY_FRACTION))
 
 
-@dataclass
+@dataclass(frozen=True)
 class PlanRequest:
-    """What to plan for: an absolute budget (bytes) or a plan to apply; the model and input signature."""
+    """What to plan for: a budget in bytes (None: keep everything, as eager does) or a plan to apply;
+    the device to price for, the solver, the model and input signature, offload and pool options."""
 
     budget_bytes: int | None = None
     plan: Plan | None = None
@@ -55,6 +60,7 @@ class PlanRequest:
     signature: str = ""
     offload: bool = False
     offload_min_bytes: int = OFFLOAD_MIN_BYTES
+    pool: bool | str = False
 
 
 @dataclass(frozen=True)
@@ -72,47 +78,54 @@ class Planner:
     def __init__(self, request: PlanRequest):
         self.request = request
         self.plan: Plan | None = None
+        self._seconds: dict[str, float] = {}  # per joint node, for timing offload copies
+        self._views: frozenset[str] = frozenset()
 
     def __call__(self, joint: torch.fx.GraphModule, _joint_inputs, *, num_fwd_outputs: int, **_kw
                  ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
         self.num_fwd_outputs = num_fwd_outputs
         fingerprint = graph_fingerprint(joint)
-        if self.request.plan is not None:
-            plan = self.request.plan
+        plan = self.request.plan
+        if plan is not None:
             plan.check_applies(model=self.request.model, signature=self.request.signature,
                                fingerprint=fingerprint, torch_version=torch.__version__)
-            self.plan = plan
-            offloaded = getattr(plan, "offload", ())
-            if offloaded:
-                device = _device_named(plan.device, self.request.device)
-                if getattr(plan, "host_link", "") in HOST_LINKS:  # the link the plan was made for
-                    device = device.with_link(plan.host_link)
+            device = _device_named(plan.device, self.request.device)
+            link = HOST_LINKS.get(plan.host_link, device.host_link)
+            if plan.offload:  # the copies are timed by the clock of the device and link the plan was made for
                 self._price_copies(estimate(joint, device))
-            return self._partition(joint, plan.saved, plan.recompute, offloaded)
-        self.plan, fw, bw = self._make_plan(joint, fingerprint)
-        return fw, bw
+        else:
+            plan, link = self._make_plan(joint, fingerprint), self.request.device.host_link
+        graphs = StepGraphs(joint, num_fwd_outputs, seconds=self._seconds, host_link=link, pool=self.request.pool)
+        graphs = run_passes(graphs, plan, STEP_PASSES)
+        if self.request.pool:
+            plan = dataclasses.replace(plan, pool=self._pool_section(plan, graphs))
+        self.plan = plan
+        return graphs.fw, graphs.bw
 
-    def _partition(self, joint, saved, recomputed, offloaded=()):
-        run_passes(joint, [tag_decisions], saved, recomputed)
-        if offloaded:
-            tag_offload(joint, offloaded)
-        fw, bw = partition(joint, saved, num_fwd_outputs=self.num_fwd_outputs)
-        return self._offload(fw, bw, offloaded)
+    def _pool_section(self, plan: Plan, graphs: StepGraphs) -> PoolSection:
+        """The arenas of the pooled graphs; an arena is held across its graph, so the pooled step is
+        simulated again."""
+        peak = simulate_step(graphs.fw, graphs.bw, graphs.num_fwd_outputs).peak
+        if peak > plan.budget_bytes:
+            log.warning("fxmem: pooled graphs hold their arenas across the graph; the simulated peak "
+                        "%d bytes exceeds the budget %d bytes (unpooled %d)", peak, plan.budget_bytes,
+                        plan.predicted_peak_bytes)
+        return PoolSection(pool_stats(graphs.fw), pool_stats(graphs.bw), peak)
 
     def _offload(self, fw, bw, offloaded):
         if not offloaded:
             return fw, bw
-        seconds, device, _ = self._copy_pricing
-        if device.host_link is None:
-            raise ValueError(f"device {device.name} has no host link to offload over; "
+        link = self.request.device.host_link
+        if link is None:
+            raise ValueError(f"device {self.request.device.name} has no host link to offload over; "
                              "give it one with DeviceSpec.with_link(...)")
-        return offload_pass(fw, bw, offloaded, seconds, device.host_link.seconds)
+        return offload(fw, bw, offloaded, self._seconds, link.seconds)
 
     def _price_copies(self, costs: CostTable) -> None:
-        """Keep what the offload pass needs (node seconds, device) as plain, picklable values:
-        Inductor pickles its partitioner, and so this object."""
-        self._copy_pricing = ({name: c.seconds for name, c in costs.nodes.items()}, costs.device,
-                              frozenset(name for name, c in costs.nodes.items() if c.is_view))
+        """Keep what the offload pass needs (node seconds) and which nodes are views, as plain,
+        picklable values: Inductor pickles its partitioner, and so this object."""
+        self._seconds = {name: c.seconds for name, c in costs.nodes.items()}
+        self._views = frozenset(name for name, c in costs.nodes.items() if c.is_view)
 
     def _candidate(self, joint, lowered: Lowered, recompute: frozenset[int],
                    offloaded: frozenset[int] = frozenset()) -> _Candidate:
@@ -121,13 +134,13 @@ class Planner:
         fw, bw = self._offload(fw, bw, [lowered.nodes[i].name for i in sorted(offloaded)])
         return _Candidate(recompute, fw, bw, simulate_step(fw, bw, self.num_fwd_outputs), frozenset(offloaded))
 
-    def _make_plan(self, joint: torch.fx.GraphModule, fingerprint: str):
+    def _make_plan(self, joint: torch.fx.GraphModule, fingerprint: str) -> Plan:
         request = self.request
         budget = request.budget_bytes
         split = split_joint(joint, self.num_fwd_outputs)
         costs = estimate(joint, request.device, backward=set(split.backward))
         self._price_copies(costs)
-        lowered = build_problem(joint, split, costs, budget)
+        lowered = build_problem(joint, split, costs, budget or 0)
         if request.offload:
             lowered = _allow_offload(lowered, split, costs, request.offload_min_bytes)
         log.info("joint graph: %d forward and %d backward ops, %d values backward may need",
@@ -135,16 +148,16 @@ class Planner:
         eager = self._candidate(joint, lowered, eager_decision(lowered.problem))
         start = time.perf_counter()
         chosen, solution, min_budget = eager, None, None
-        if eager.timeline.peak + safety_bytes(budget) > budget:
+        if budget is not None and eager.timeline.peak + safety_bytes(budget) > budget:
             chosen, solution, min_budget = self._fit_both(joint, lowered, split, budget)
         solve_time = time.perf_counter() - start
         saved = [n.name for n in chosen.bw.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
-        recomputed = _recomputed(chosen, split, self._copy_pricing[2])
+        recomputed = _recomputed(chosen, split, self._views)
         offloaded = [lowered.nodes[i].name for i in sorted(chosen.offloaded)]
         exposed_s = offload_cost(lowered.problem, chosen.offloaded) / 1e9
-        fw, bw = self._partition(joint, saved, recomputed, offloaded)
-        plan = Plan(
-            budget_bytes=int(budget), baseline_peak_bytes=eager.timeline.peak,
+        return Plan(
+            budget_bytes=int(budget) if budget is not None else eager.timeline.peak,
+            baseline_peak_bytes=eager.timeline.peak,
             predicted_peak_bytes=chosen.timeline.peak, min_budget_bytes=min_budget,
             extra_flops=sum(costs[n].flops for n in recomputed), total_flops=costs.total_flops(),
             predicted_step_s=costs.total_seconds() + sum(costs[n].seconds for n in recomputed) + exposed_s,
@@ -159,7 +172,6 @@ class Planner:
             offloaded_bytes=sum(lowered.problem.size[i] for i in chosen.offloaded),
             host_link=request.device.host_link.name if request.offload and request.device.host_link else "",
             timelines={"eager": eager.timeline, "plan": chosen.timeline})
-        return plan, fw, bw
 
     def _fit_both(self, joint, lowered: Lowered, split: JointSplit, budget: int):
         """`_fit` with offload allowed and recompute-only; the faster plan that fits (recompute-only on ties)."""
@@ -174,8 +186,7 @@ class Planner:
         offloaded = self._fit(joint, lowered, split, budget, fallback=False)
         if offloaded is not None:
             def extra_s(fit) -> float:  # what the plan adds to the step, as predicted_step_s counts it
-                seconds, _, views = self._copy_pricing
-                return sum(seconds[n] for n in _recomputed(fit[0], split, views)) \
+                return sum(self._seconds[n] for n in _recomputed(fit[0], split, self._views)) \
                     + offload_cost(problem, fit[0].offloaded) / 1e9
             if best is None or extra_s(offloaded) < extra_s(best):
                 best = offloaded
@@ -242,14 +253,14 @@ def _breakdown(split: JointSplit) -> dict[str, int]:
 
 
 def _node_rows(lowered: Lowered, costs: CostTable, saved: set[str], recomputed: set[str],
-               offloaded: set[str] = frozenset()) -> tuple[dict, ...]:
+               offloaded: set[str] = frozenset()) -> tuple[NodeRow, ...]:
     rows = []
     for i, node in enumerate(lowered.nodes):
         cost = costs[node.name]
         decision = "save" if node.name in saved else "recompute" if node.name in recomputed else "free"
         decision = "offload" if node.name in offloaded else decision
-        rows.append({"name": node.name, "op": cost.op, "module": cost.module, "bytes": lowered.problem.size[i] if lowered.problem.can_save[i] else 0,
-                     "flops": cost.flops, "seconds": cost.seconds, "decision": decision})
+        kept = lowered.problem.size[i] if lowered.problem.can_save[i] else 0
+        rows.append(NodeRow(node.name, cost.op, cost.module, kept, cost.flops, cost.seconds, decision))
     return tuple(rows)
 
 

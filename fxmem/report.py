@@ -15,18 +15,18 @@ from fxmem.errors import fmt_bytes
 MIB = 2**20
 
 
-def _group(rows: Iterable[dict[str, Any]], by: str) -> "OrderedDict[str, list[dict[str, Any]]]":
-    groups: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
+def _group(rows: Iterable[Any], by: str) -> "OrderedDict[str, list[Any]]":
+    groups: OrderedDict[str, list[Any]] = OrderedDict()
     for row in rows:
-        key = row.get(by) or "(top level)" if by == "module" else row.get(by, "?")
+        key = getattr(row, by) or "(top level)" if by == "module" else getattr(row, by)
         groups.setdefault(key, []).append(row)
     return groups
 
 
-def _decision(rows: list[dict[str, Any]]) -> str:
-    heavy = [r for r in rows if r["bytes"] > 0]
-    recomputed = sum(r["decision"] == "recompute" for r in heavy)
-    offloaded = sum(r["decision"] == "offload" for r in heavy)
+def _decision(rows: list[Any]) -> str:
+    heavy = [r for r in rows if r.bytes > 0]
+    recomputed = sum(r.decision == "recompute" for r in heavy)
+    offloaded = sum(r.decision == "offload" for r in heavy)
     if offloaded:
         return f"offload {offloaded}/{len(heavy)}" + (f", recompute {recomputed}" if recomputed else "")
     if not heavy or recomputed == 0:
@@ -39,10 +39,10 @@ def _decision(rows: list[dict[str, Any]]) -> str:
 def plan_rows(plan: Any, by: str = "module") -> list[list[Any]]:
     rows = []
     for key, group in _group(plan.nodes, by).items():
-        kept = sum(r["bytes"] for r in group if r["decision"] in ("save", "offload"))
-        recomputed = sum(r["bytes"] for r in group if r["decision"] == "recompute")
-        flops = sum(r["flops"] for r in group if r["decision"] == "recompute")
-        ops = sorted({r["op"] for r in group if r["op"] != "getitem"}) or ["getitem"]
+        kept = sum(r.bytes for r in group if r.decision in ("save", "offload"))
+        recomputed = sum(r.bytes for r in group if r.decision == "recompute")
+        flops = sum(r.flops for r in group if r.decision == "recompute")
+        ops = sorted({r.op for r in group if r.op != "getitem"}) or ["getitem"]
         label = ", ".join(ops[:4]) + (f" +{len(ops) - 4}" if len(ops) > 4 else "")
         rows.append([key, label, round(kept / MIB, 2), round(recomputed / MIB, 2),
                      f"{flops / 1e6:,.1f}", _decision(group)])
@@ -67,7 +67,7 @@ def summary_rows(plan: Any) -> list[list[str]]:
                                 f"(eager {plan.baseline_step_s * 1e3:,.2f} ms, +{step_overhead:.1f}%)"],
         ["recomputed values", str(len(plan.recompute))],
     ]
-    if getattr(plan, "offload", ()):
+    if plan.offload:
         rows += [["offloaded to host", f"{len(plan.offload)} values, {fmt_bytes(plan.offloaded_bytes)} over "
                                        f"{plan.host_link or 'the host link'}"],
                  ["exposed transfer time", f"{plan.exposed_transfer_s * 1e3:,.3f} ms (copy waits and launches; in the step time)"]]
@@ -75,24 +75,25 @@ def summary_rows(plan: Any) -> list[list[str]]:
         ["solver", f"{plan.solver}: {plan.solver_status}, gap {plan.solver_gap * 100:.2f}%, "
                    f"{plan.solve_time_s:.2f} s"],
     ]
-    for graph, stats in (getattr(plan, "pool", None) or {}).items():
-        if "arena_bytes" not in stats:
-            rows.append(["pooled step peak (simulated)", fmt_bytes(stats.get("predicted_peak_bytes", 0))])
-            continue
-        rows.append([f"pooled {graph} arena", f"{fmt_bytes(stats['arena_bytes'])} (lower bound "
-                     f"{fmt_bytes(stats['lower_bound_bytes'])}, no reuse {fmt_bytes(stats['no_reuse_bytes'])}), "
-                     f"{stats['allocations_avoided']} allocations avoided"])
+    if plan.pool is not None:
+        for graph, stats in (("forward", plan.pool.forward), ("backward", plan.pool.backward)):
+            if stats is not None:
+                rows.append([f"pooled {graph} arena", f"{fmt_bytes(stats.arena_bytes)} (lower bound "
+                             f"{fmt_bytes(stats.lower_bound_bytes)}, no reuse {fmt_bytes(stats.no_reuse_bytes)}), "
+                             f"{stats.allocations_avoided} allocations avoided"])
+        rows.append(["pooled step peak (simulated)", fmt_bytes(plan.pool.predicted_peak_bytes)])
     return rows
 
 
 def device_rows(plan: Any) -> list[list[Any]]:
     """Per device of a multi-device plan: its modules, parameters, predicted peak and time."""
     rows = []
-    for entry in getattr(plan, "devices", ()):
-        units = entry["modules"]
+    for entry in plan.devices:
+        units = entry.modules
         label = (f"{units[0]} .. {units[-1]} ({len(units)})" if len(units) > 2 else ", ".join(units)) or "(none)"
-        rows.append([entry["device"], label, fmt_bytes(entry["parameter_bytes"]), fmt_bytes(entry["peak_bytes"]),
-                     fmt_bytes(entry["budget_bytes"]), f"{entry['seconds'] * 1e3:,.2f}"])
+        budget = fmt_bytes(entry.budget_bytes) if entry.budget_bytes is not None else "none"
+        rows.append([entry.device, label, fmt_bytes(entry.parameter_bytes), fmt_bytes(entry.peak_bytes),
+                     budget, f"{entry.seconds * 1e3:,.2f}"])
     return rows
 
 
@@ -105,7 +106,7 @@ def format_plan(plan: Any, by: str = "module") -> str:
     title = f"fxmem plan for {plan.model} {plan.signature}"
     stages = format_stages(plan)
     tail = f"\n\n{stages}" if stages else ""
-    if getattr(plan, "devices", ()):
+    if plan.devices:
         placed = tabulate(device_rows(plan), headers=["device", "modules", "parameters", "predicted peak", "budget",
                                                       "step ms"], tablefmt="simple")
         return f"{title}\n\n{body}\n\n{placed}\n\n{summary}" + tail
@@ -119,10 +120,10 @@ def _layers(modules: list[str], limit: int = 4) -> str:
 
 
 def stage_rows(plan: Any) -> list[list[Any]]:
-    return [[s["index"], _layers(s["modules"]), fmt_bytes(s["param_bytes"]),
-             ("~" if s.get("peak_from") == "stage model" else "") + fmt_bytes(s["predicted_peak_bytes"]),
-             f"{s['time_s'] * 1e3:,.3f}", s["in_flight"], "recompute" if s["recompute"] else "keep"]
-            for s in getattr(plan, "stages", ())]
+    stages = plan.pipeline.stages if plan.pipeline else ()
+    return [[s.index, _layers(list(s.modules)), fmt_bytes(s.param_bytes),
+             ("~" if s.peak_from == "stage model" else "") + fmt_bytes(s.predicted_peak_bytes),
+             f"{s.time_s * 1e3:,.3f}", s.in_flight, "recompute" if s.recompute else "keep"] for s in stages]
 
 
 def format_stages(plan: Any) -> str:
@@ -133,8 +134,8 @@ def format_stages(plan: Any) -> str:
     info = plan.pipeline
     headers = ["stage", "layers (module paths)", "parameters", "peak memory", "time ms", "in flight", "activations"]
     body = tabulate(rows, headers=headers, tablefmt="simple")
-    return (f"pipeline: {info['num_stages']} stages, {info['schedule']}, {info['n_microbatches']} microbatches; "
-            f"slowest stage {info['slowest_s'] * 1e3:,.3f} ms, lower bound {info['lower_bound_s'] * 1e3:,.3f} ms, "
-            f"balance {plan.stage_balance:.3f}\n\n{body}"
+    return (f"pipeline: {info.num_stages} stages, {info.schedule}, {info.n_microbatches} microbatches; "
+            f"slowest stage {info.slowest_s * 1e3:,.3f} ms, lower bound {info.lower_bound_s * 1e3:,.3f} ms, "
+            f"balance {info.balance:.3f}\n\n{body}"
             + ("\n\n~ the stage model's estimate (no budget given, so no stage was checked with fxmem's planner)"
-               if any(s.get("peak_from") == "stage model" for s in plan.stages) else ""))
+               if any(s.peak_from == "stage model" for s in info.stages) else ""))

@@ -13,12 +13,11 @@ import torch
 import torch.fx
 
 from fxmem.errors import FxmemError
+from fxmem.optimizer_state import bytes_per_param_byte
 from fxmem.passes.shard import Unit, crossing, value_bytes
 from fxmem.plan import Plan
 from fxmem.solve.stages import StageProblem, min_max_cuts
 
-# Optimizer state per parameter byte (fp32 state for fp32 parameters).
-OPTIMIZER_STATE = {"sgd": 0.0, "sgd-momentum": 1.0, "adam": 2.0, "adamw": 2.0, "adagrad": 1.0, "rmsprop": 1.0}
 # Bytes/s between neighbouring stages: gloo over loopback on CPU, NVLink-class links on GPUs.
 LINK_BYTES_PER_S = {"cpu": 5e9}
 DEFAULT_LINK_BYTES_PER_S = 100e9
@@ -30,17 +29,6 @@ class PipelineRequest:
     schedule: str = "1f1b"
     n_microbatches: int | None = None
     optimizer: str | float | None = None
-
-
-def optimizer_bytes_per_param_byte(optimizer: str | float | None) -> float:
-    if optimizer is None:
-        return 0.0
-    if isinstance(optimizer, (int, float)) and not isinstance(optimizer, bool) and optimizer >= 0:
-        return float(optimizer)
-    if isinstance(optimizer, str) and optimizer.lower() in OPTIMIZER_STATE:
-        return OPTIMIZER_STATE[optimizer.lower()]
-    raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATE)} or the optimizer state's bytes per "
-                     f"parameter byte (a number >= 0), got {optimizer!r}")
 
 
 def _source(node: torch.fx.Node, names: set[str]) -> str | None:
@@ -141,7 +129,7 @@ def build_problem(gm, model, units: list[Unit], joint, saved_bytes, *, budget_by
         param_bytes=tuple(own), act_bytes=tuple(saved), cut_bytes=cut_bytes,
         num_stages=request.num_stages, budget_bytes=budget_bytes, schedule=request.schedule,
         n_microbatches=n_microbatches, recompute_s=tuple(fwd), ckpt_bytes=tuple(entry), shared=tuple(shared),
-        opt_bytes_per_param_byte=optimizer_bytes_per_param_byte(request.optimizer),
+        opt_bytes_per_param_byte=bytes_per_param_byte(request.optimizer),
         link_bytes_per_s=LINK_BYTES_PER_S.get(device_name, DEFAULT_LINK_BYTES_PER_S))
     return problem, readers
 
@@ -165,12 +153,11 @@ def problem_from_plan(plan: Plan, **changes: Any) -> StageProblem:
     """The stage problem a pipeline plan was solved from (to compare other splits with the same costs)."""
     info = plan.pipeline
     problem = StageProblem(
-        names=tuple(info["units"]), time_s=tuple(info["unit_time_s"]), param_bytes=tuple(info["unit_param_bytes"]),
-        act_bytes=tuple(info["unit_act_bytes"]), cut_bytes=tuple(info["cut_bytes"]), num_stages=info["num_stages"],
-        budget_bytes=info["budget_bytes"], schedule=info["schedule"], n_microbatches=info["n_microbatches"],
-        recompute_s=tuple(info["unit_recompute_s"]), ckpt_bytes=tuple(info["unit_ckpt_bytes"]),
-        shared=tuple((size, tuple(users)) for size, users in info["shared"]),
-        opt_bytes_per_param_byte=info["opt_bytes_per_param_byte"], link_bytes_per_s=info["link_bytes_per_s"])
+        names=info.units, time_s=info.unit_time_s, param_bytes=info.unit_param_bytes,
+        act_bytes=info.unit_act_bytes, cut_bytes=info.cut_bytes, num_stages=info.num_stages,
+        budget_bytes=info.budget_bytes, schedule=info.schedule, n_microbatches=info.n_microbatches,
+        recompute_s=info.unit_recompute_s, ckpt_bytes=info.unit_ckpt_bytes, shared=info.shared,
+        opt_bytes_per_param_byte=info.opt_bytes_per_param_byte, link_bytes_per_s=info.link_bytes_per_s)
     return dataclasses.replace(problem, **changes) if changes else problem
 
 
@@ -195,10 +182,10 @@ def baseline_cuts(plan: Plan, method: str) -> tuple[int, ...]:
     with the first and the head with the last; torchtitan, DeepSpeed partition_method='uniform') or
     "parameters" (equal parameter bytes; DeepSpeed's default)."""
     info = plan.pipeline
-    S, names = info["num_stages"], info["units"]
+    S, names = info.num_stages, info.units
     if method == "parameters":
-        weights = list(info["unit_param_bytes"])
-        for size, users in info["shared"]:
+        weights = list(info.unit_param_bytes)
+        for size, users in info.shared:
             weights[users[0]] += size
         return min_max_cuts(weights, S)
     if method != "uniform":

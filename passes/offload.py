@@ -13,11 +13,12 @@ are plain host copies, so the semantics are testable anywhere. `tag_offload` mar
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.fx
 
+from fxmem.passes.runner import StepGraphs
 from fxmem.problem import copies_in, copies_out
 
 _STREAMS: dict[torch.device, tuple] = {}
@@ -108,6 +109,19 @@ def _at_time(nodes: list[torch.fx.Node], starts: list[float], when: float, lo: i
         else:
             break
     return index
+
+
+def offload_pass(graphs: StepGraphs, plan: Any) -> StepGraphs:
+    """The step's graphs with `plan.offload` copied to host memory and back, timed by
+    `graphs.seconds` and `graphs.host_link`; joint nodes tagged `meta["should_offload"]`."""
+    if not plan.offload:
+        return graphs
+    if graphs.host_link is None:
+        raise ValueError(f"the plan offloads {len(plan.offload)} values but device {plan.device} has no host link; "
+                         "give it one with DeviceSpec.with_link(...)")
+    tag_offload(graphs.joint, plan.offload)
+    fw, bw = offload(graphs.fw, graphs.bw, plan.offload, graphs.seconds, graphs.host_link.seconds)
+    return graphs.replace(fw=fw, bw=bw)
 
 
 def offload(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, offloaded: Iterable[str],

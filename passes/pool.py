@@ -11,8 +11,6 @@ allocator. Writes `gm.meta["fxmem_pool"]` (`PoolStats`) and `node.meta["fxmem"][
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-from dataclasses import dataclass
 from typing import Any, Hashable
 
 import numpy as np
@@ -22,33 +20,11 @@ import torch.utils._pytree as pytree
 
 from fxmem.errors import PackingError
 from fxmem.memory import storage_key, storages_of
+from fxmem.passes.runner import StepGraphs
+from fxmem.plan import PoolStats
 from fxmem.solve.packing import Packing, pack_buffers
 
 META_KEY = "fxmem_pool"
-
-
-@dataclass(frozen=True)
-class PoolStats:
-    """What pooling one graph did. Bytes: `no_reuse_bytes` (one allocation per pooled intermediate,
-    all alive at once), `lower_bound_bytes` (most pooled bytes alive at one node), `arena_bytes` (the
-    one arena). `allocations_avoided`: allocator calls no longer made (`.out` writes minus the arena).
-    `unpooled`: intermediates that cannot be pooled (multi-output ops...); `kept_for_peak`: poolable
-    ones left to the allocator because pooling them would raise the graph's peak."""
-
-    no_reuse_bytes: int
-    lower_bound_bytes: int
-    arena_bytes: int
-    allocations_avoided: int
-    pooled: int
-    out_variant: int
-    copied: int
-    unpooled: int
-    kept_for_peak: int
-    solver_status: str
-    solve_time_s: float
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 def pool_stats(gm: torch.fx.GraphModule) -> PoolStats | None:
@@ -283,16 +259,20 @@ def pool_graph(gm: torch.fx.GraphModule, *, alignment: int = 64, time_limit_s: f
     return gm
 
 
+def pool_pass(graphs: StepGraphs, plan: Any) -> StepGraphs:
+    """The step's forward and backward graphs pooled as `graphs.pool` asks (False: unchanged; True:
+    the intermediates whose pooling keeps each graph's peak; "all": every intermediate). AOTAutograd's
+    backward frees saved values as it goes; its forward's inputs stay with the caller."""
+    if not graphs.pool:
+        return graphs
+    keep_peak = graphs.pool != "all"
+    return graphs.replace(fw=pool_graph(graphs.fw, keep_peak=keep_peak, inputs_freed=False),
+                          bw=pool_graph(graphs.bw, keep_peak=keep_peak, inputs_freed=True))
+
+
 def copy_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A new GraphModule with a copy of `gm`'s graph (same submodules and attributes), to pool apart."""
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     graph.set_codegen(gm.graph._codegen)  # keeps pytree calling conventions (make_fx, export)
     return torch.fx.GraphModule(gm, graph)
-
-
-def pool_compiler(gm: torch.fx.GraphModule, example_inputs: Any, **options: Any) -> Any:
-    """An AOTAutograd forward/backward compiler: pool the graph, then run it as `boxed_nop` does."""
-    from torch._dynamo.backends.debugging import boxed_nop
-
-    return boxed_nop(pool_graph(gm, **options), example_inputs)

@@ -1,27 +1,36 @@
 """Recompute pass: cut a joint forward/backward graph into the forward and backward graphs a plan asks for.
 
-Reads the plan's saved node names; tags each joint node `meta["fxmem"]["decision"]` ("save",
-"recompute" or absent) and torch's `meta["recompute"]` (`CheckpointPolicy`), then extracts the
-forward graph (returns outputs + saved values) and the backward graph, where each recomputed
-value is placed just before its first use (as the autograd engine would order it).
+Reads the plan's saved and recomputed node names; tags each joint node with torch's
+`meta["recompute"]` (`CheckpointPolicy`: MUST_SAVE or MUST_RECOMPUTE, which torch's own
+partitioner obeys under compile), then extracts the forward graph (returns outputs + saved values)
+and the backward graph, where each recomputed value is placed just before its first use (as the
+autograd engine would order it).
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch.fx
 from torch._functorch.partitioners import _extract_fwd_bwd_modules, reordering_to_mimic_autograd_engine
 from torch.utils.checkpoint import CheckpointPolicy
 
+from fxmem.passes.runner import StepGraphs
+
+
+def recompute_pass(graphs: StepGraphs, plan: Any) -> StepGraphs:
+    """The forward and backward graphs that keep `plan.saved` and recompute `plan.recompute`."""
+    tag_decisions(graphs.joint, plan.saved, plan.recompute)
+    fw, bw = partition(graphs.joint, plan.saved, num_fwd_outputs=graphs.num_fwd_outputs)
+    return graphs.replace(fw=fw, bw=bw)
+
 
 def tag_decisions(joint: torch.fx.GraphModule, saved: Iterable[str], recomputed: Iterable[str]) -> torch.fx.GraphModule:
     saved, recomputed = set(saved), set(recomputed)
     for node in joint.graph.nodes:
-        decision = "save" if node.name in saved else "recompute" if node.name in recomputed else None
-        if decision is None:
-            continue
-        node.meta.setdefault("fxmem", {})["decision"] = decision
-        node.meta["recompute"] = CheckpointPolicy.MUST_SAVE if decision == "save" else CheckpointPolicy.MUST_RECOMPUTE
+        if node.name in saved:
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+        elif node.name in recomputed:
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
     return joint
 
 

@@ -67,7 +67,7 @@ def _row(label: str, fraction: float | None, plan: fxmem.Plan, eager: fxmem.Plan
 def _unscheduled(eager: fxmem.Plan, target: fxmem.DeviceSpec) -> dict:
     """Reference: every saved value of at least 1 MiB copied out and back on the compute stream (no
     overlap), so the step waits for every byte both ways; its peak is not modelled."""
-    big = [r["bytes"] for r in eager.nodes if r["decision"] == "save" and r["bytes"] >= MIB]
+    big = [r.bytes for r in eager.nodes if r.kept_on_device and r.bytes >= MIB]
     wait = sum(2 * target.host_link.seconds(b) for b in big) if target.host_link else float("nan")
     step = eager.predicted_step_s + wait
     return {"method": "offload all, unscheduled", "budget": "-", "peak MiB": "-", "step ms": round(step * 1e3, 3),

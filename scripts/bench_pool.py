@@ -58,12 +58,11 @@ def zoo_rows(names: list[tuple[str, int | None]], time_limit_s: float, pool: boo
         plan = fxmem.plan(model, inputs, pool=pool, time_limit_s=time_limit_s)
         elapsed = time.perf_counter() - started
         label = f"{name} ({inputs[0].shape[0]})"
-        for graph in ("forward", "backward"):
-            s = plan.pool[graph]
-            rows.append([label, graph, fmt_bytes(s["no_reuse_bytes"]), fmt_bytes(s["lower_bound_bytes"]),
-                         fmt_bytes(s["arena_bytes"]), f"{s['pooled']} ({s['out_variant']} out=, {s['copied']} copy)",
-                         s["allocations_avoided"], f"{s['solve_time_s'] * 1e3:.1f} ms"])
-        pooled_peak = plan.pool["step"]["predicted_peak_bytes"]
+        for graph, s in (("forward", plan.pool.forward), ("backward", plan.pool.backward)):
+            rows.append([label, graph, fmt_bytes(s.no_reuse_bytes), fmt_bytes(s.lower_bound_bytes),
+                         fmt_bytes(s.arena_bytes), f"{s.pooled} ({s.out_variant} out=, {s.copied} copy)",
+                         s.allocations_avoided, f"{s.solve_time_s * 1e3:.1f} ms"])
+        pooled_peak = plan.pool.predicted_peak_bytes
         rows.append([label, "step peak", "", "", f"{fmt_bytes(plan.predicted_peak_bytes)} unpooled, "
                      f"{fmt_bytes(pooled_peak)} pooled ({(pooled_peak / plan.predicted_peak_bytes - 1) * 100:+.1f}%)",
                      f"allocator reserved: {_reserved_peak(name, batch, False)} / {_reserved_peak(name, batch, pool)}",

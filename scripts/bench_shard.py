@@ -65,10 +65,10 @@ def balance_rows(name: str, stages: list[int], batch: int, n_micro: int, overrid
                 others[method] = None
         fmt = lambda split, f: "n/a" if split is None else f(split)  # noqa: E731
         label = name + "".join(f" {k}={v}" for k, v in overrides.items())
-        cuts = ", ".join(problem.names[c] for c in plan.pipeline["first_units"])
-        rows.append([label, S, problem.num_units, f"{plan.stage_balance:.3f}",
+        cuts = ", ".join(problem.names[c] for c in plan.pipeline.first_units)
+        rows.append([label, S, problem.num_units, f"{plan.pipeline.balance:.3f}",
                      fmt(others["uniform"], lambda x: f"{x.balance:.3f}"),
-                     fmt(others["parameters"], lambda x: f"{x.balance:.3f}"), f"{plan.pipeline['slowest_s'] * 1e3:.3f}",
+                     fmt(others["parameters"], lambda x: f"{x.balance:.3f}"), f"{plan.pipeline.slowest_s * 1e3:.3f}",
                      fmt(others["uniform"], lambda x: f"{x.slowest_s * 1e3:.3f}"), cuts, f"{seconds:.1f}"])
     return rows
 
@@ -87,11 +87,11 @@ def _worker(rank: int, port: int, out: str, name: str, overrides: dict, batch: i
         model = models.from_name(name, **overrides)
         full = microbatch(name, batch * n_micro, **overrides)
         plan = fxmem.plan(model, tuple(x[:batch] for x in full), num_stages=2, n_microbatches=n_micro)
-        splits = {"fxmem": plan.pipeline["first_units"], "uniform": list(baseline_cuts(plan, "uniform"))}
+        splits = {"fxmem": plan.pipeline.first_units, "uniform": baseline_cuts(plan, "uniform")}
         times: dict[str, list[float]] = {k: [] for k in splits}
         stages = {}
         for key, cuts in splits.items():
-            variant = dataclasses.replace(plan, pipeline={**plan.pipeline, "first_units": cuts})
+            variant = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, first_units=tuple(cuts)))
             stage = fxmem.pipeline_stage(model, variant, rank, torch.device("cpu"))
             stages[key] = Schedule1F1B(stage, n_microbatches=n_micro, loss_fn=fxmem.pipeline.output_is_loss)
         for step in range(steps + 2):  # interleaved, first two are warm-up
@@ -124,8 +124,8 @@ def stage_seconds(batch: int, repeats: int = 7) -> dict[str, list[float]]:
     mb = microbatch(name, batch, **overrides)
     plan = fxmem.plan(model, mb, num_stages=2, n_microbatches=4)
     out = {}
-    for key, cuts in {"fxmem": plan.pipeline["first_units"], "uniform": list(baseline_cuts(plan, "uniform"))}.items():
-        variant = dataclasses.replace(plan, pipeline={**plan.pipeline, "first_units": cuts})
+    for key, cuts in {"fxmem": plan.pipeline.first_units, "uniform": baseline_cuts(plan, "uniform")}.items():
+        variant = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, first_units=tuple(cuts)))
         x, out[key] = mb, []
         for module in stage_modules(model, variant):
             inputs = tuple(a.detach().requires_grad_(a.is_floating_point()) for a in x)

@@ -38,7 +38,7 @@ def zoo_problem(name: str, batch: int | None = None, **overrides) -> MemoryProbl
 
     import fxmem.planner as planner
     from fxmem import models
-    from fxmem.runtime import plan
+    from fxmem.api import plan
 
     seen = {}
     original = planner.build_problem

@@ -117,13 +117,13 @@ def test_graph_break_shares_the_budget():
     unconstrained = plans_for(opts)
     assert len(unconstrained) == 2, "the graph break must give two graphs"
     g0, g1 = unconstrained
-    kept0 = sum(g0.breakdown.values()) + sum(r["bytes"] for r in g0.nodes if r["decision"] == "save")
+    kept0 = sum(g0.breakdown.values()) + g0.saved_bytes
     budget = kept0 + g1.baseline_peak_bytes + 256 * 1024  # graph 1: its eager peak (+ safety margin) after graph 0
     options = {"budget_gb": budget / GIB, "inner": "aot_eager", "time_limit_s": 5}
     compiled = _compiled(model, options)
     assert_trains_like(reference, compiled, inputs)
     first, second = plans_for(options)
-    kept_first = sum(first.breakdown.values()) + sum(r["bytes"] for r in first.nodes if r["decision"] == "save")
+    kept_first = sum(first.breakdown.values()) + first.saved_bytes
     assert second.budget_bytes == budget - kept_first
     assert first.predicted_peak_bytes <= budget and second.predicted_peak_bytes <= budget - kept_first
     measured = measure_peak_bytes(compiled, inputs)
@@ -158,7 +158,7 @@ def test_budget_sweep_saves_less_as_budget_falls():
                    "time_limit_s": 5}
         training_step(_compiled(copy.deepcopy(model), options), inputs)
         (plan,) = plans_for(options)
-        saved.append(sum(r["bytes"] for r in plan.nodes if r["decision"] == "save"))
+        saved.append(plan.saved_bytes)
     assert saved == sorted(saved, reverse=True) and saved[0] > saved[-1], saved
 
 

@@ -167,4 +167,4 @@ def test_stages_reach_the_planner(capsys, tmp_path):
                          "--time-limit", "1", "--out", str(path))
     assert code == 0, err
     plan = fxmem.Plan.load(path)
-    assert len(plan.stages) == 2 and plan.stage_balance >= 1.0 and "pipeline: 2 stages" in out
+    assert len(plan.pipeline.stages) == 2 and plan.pipeline.balance >= 1.0 and "pipeline: 2 stages" in out

@@ -64,10 +64,10 @@ def test_placed_model_trains_like_eager(name):
     for _ in range(2):
         assert_trains_like(reference, placed, inputs)
     plan = placed.plan
-    assert [e["device"] for e in plan.devices] == ["cpu", "cpu"]
-    assert all(e["modules"] for e in plan.devices), "both devices get a region"
+    assert [e.device for e in plan.devices] == ["cpu", "cpu"]
+    assert all(e.modules for e in plan.devices), "both devices get a region"
     first, second = plan.devices
-    assert plan.device_of(first["modules"][0]) == "cpu"
+    assert plan.device_of(first.modules[0]) == "cpu"
     # Moves at the region boundary, besides the input and output moves.
     graph = placed._graph.graph
     moves = [n for n in graph.nodes if n.target is to_device]
@@ -75,7 +75,7 @@ def test_placed_model_trains_like_eager(name):
     to_output = [n for n in moves if graph.output_node() in n.users]
     assert len(moves) > len(from_inputs) + len(to_output)
     text = plan.table()
-    assert "predicted peak" in text and second["modules"][-1] in text
+    assert "predicted peak" in text and second.modules[-1] in text
 
 
 def test_device_of_names_each_region():
@@ -95,11 +95,11 @@ def test_tight_budget_splits_and_too_small_refuses():
     model, inputs = models.from_name("mlp-tiny"), models.example_inputs("mlp-tiny", 1024)
     whole = fxmem.optimize(copy.deepcopy(model), budget_gb=1.0, devices=["cpu", "cpu"])
     whole(*inputs)
-    total = sum(e["peak_bytes"] for e in whole.plan.devices)
+    total = sum(e.peak_bytes for e in whole.plan.devices)
     tight = int(0.6 * total)  # neither device can hold the whole model
     placed = fxmem.optimize(model, budget_gb=tight / GIB, devices=["cpu", "cpu"])
     placed(*inputs)
-    assert all(e["modules"] and e["peak_bytes"] <= tight for e in placed.plan.devices)
+    assert all(e.modules and e.peak_bytes <= tight for e in placed.plan.devices)
     with pytest.raises(fxmem.InfeasibleBudgetError):
         fxmem.optimize(copy.deepcopy(model), budget_gb=1e-6, devices=["cpu", "cpu"])(*inputs)
     with pytest.raises(ValueError, match="one per device"):

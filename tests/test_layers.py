@@ -125,7 +125,7 @@ def test_detects_the_blocks_of_a_zoo_gpt():
     torch = pytest.importorskip("torch")
     import fxmem.planner as planner
     from fxmem import models
-    from fxmem.runtime import plan
+    from fxmem.api import plan
 
     seen = {}
     original = planner.build_problem

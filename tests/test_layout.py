@@ -36,3 +36,50 @@ def test_import_is_light():
 
     code = "import sys, fxmem; assert 'torch' not in sys.modules; fxmem.plan; assert 'torch' in sys.modules"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+PACKAGES = {"fxmem": "fxmem", "passes": "fxmem.passes", "models": "fxmem.models"}
+MAX_LINES = 450  # files stay small enough to read whole
+
+
+def _modules() -> dict:
+    mods = {}
+    for folder, package in PACKAGES.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            mods[".".join([package, *parts]).removesuffix(".__init__")] = path
+    return mods
+
+
+def _imports(name: str, path) -> set:
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+            base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
+            found |= {base, *(f"{base}.{a.name}" for a in node.names)}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+    return found
+
+
+def test_imports_point_one_way():
+    """No import loop among the project's modules, counting imports made inside functions too."""
+    import networkx as nx
+
+    mods = _modules()
+    graph = nx.DiGraph()
+    for name, path in mods.items():
+        graph.add_edges_from((name, other) for other in _imports(name, path) if other in mods and other != name)
+    assert list(nx.simple_cycles(graph)) == []
+
+
+def test_files_stay_small():
+    files = [p for folder in (*PACKAGES, "scripts", "tests") for p in (ROOT / folder).rglob("*.py")]
+    long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}

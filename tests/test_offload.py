@@ -149,8 +149,8 @@ def test_offload_plan_trains_like_eager_on_cpu(mlp):
         fxmem.plan(model, inputs, budget_gb=budget / GIB, time_limit_s=2)
     plan = fxmem.plan(model, inputs, budget_gb=budget / GIB, offload=True, target="cpu", time_limit_s=2)
     assert plan.offload and plan.predicted_peak_bytes <= budget
-    rows = {r["name"]: r for r in plan.nodes}
-    assert all(rows[n]["decision"] == "offload" and rows[n]["bytes"] >= 2**20 for n in plan.offload)
+    rows = {r.name: r for r in plan.nodes}
+    assert all(rows[n].decision == "offload" and rows[n].bytes >= 2**20 for n in plan.offload)
     assert plan.offloaded_bytes >= 2**20 * len(plan.offload)
     assert plan.predicted_step_s >= plan.baseline_step_s + plan.exposed_transfer_s - 1e-12
     assert "offloaded to host" in plan.table()

@@ -26,7 +26,7 @@ def test_json_round_trip(gpt_plan, tmp_path):
     path = tmp_path / "plan.json"
     plan.save(path)
     data = json.loads(path.read_text())
-    assert data["schema_version"] == 1 and list(data) == sorted(data)
+    assert data["schema_version"] == 2 and list(data) == sorted(data)
     assert Plan.load(path) == plan
 
 

@@ -13,7 +13,7 @@ from fxmem.capture import capture
 from fxmem.measure import measure_peak_bytes
 from fxmem.passes.pool import copy_graph, out_overload, pool_graph, pool_stats
 from fxmem.planner import Planner, PlanRequest
-from fxmem.runtime import CompiledStep, _state
+from fxmem.engine import CompiledStep, model_state
 from tests.conftest import assert_trains_like
 
 TINY = ["mlp-tiny", "gpt-tiny", "resnet-tiny", "unet-tiny"]
@@ -45,9 +45,9 @@ def test_pooled_graphs_compute_the_same_values(name):
     torch.manual_seed(0)
     model, inputs = models.from_name(name), models.example_inputs(name)
     seen: list = []
-    step = CompiledStep(model, capture(model, inputs, {}), Planner(PlanRequest(budget_bytes=2**62)),
+    step = CompiledStep(model, capture(model, inputs, {}), Planner(PlanRequest()),
                         compiler=_compare_compiler(seen))
-    step(dict(_state(model)), inputs, {}).backward()
+    step(dict(model_state(model)), inputs, {}).backward()
     assert len(seen) == 2  # forward and backward
     for pooled, got, want in seen:
         assert len(got) == len(want)
@@ -77,8 +77,8 @@ def test_pooled_values_live_in_the_arena():
         run._boxed_call = True
         return run
 
-    CompiledStep(model, capture(model, inputs, {}), Planner(PlanRequest(budget_bytes=2**62)),
-                 compiler=grab)(dict(_state(model)), inputs, {})
+    CompiledStep(model, capture(model, inputs, {}), Planner(PlanRequest()),
+                 compiler=grab)(dict(model_state(model)), inputs, {})
     gm, args = graphs[0]
     pooled = pool_graph(copy_graph(gm))
     env: dict = {}
@@ -112,13 +112,13 @@ def test_optimize_with_pool_trains_like_eager(name):
     pooled = fxmem.optimize(model, budget_gb=1.0, pool=True)
     assert_trains_like(reference, pooled, inputs)
     plan = pooled.plans[0]
-    assert set(plan.pool) == {"forward", "backward", "step"}
-    assert plan.pool["backward"]["arena_bytes"] == plan.pool["backward"]["lower_bound_bytes"] > 0
+    assert plan.pool.forward is not None and plan.pool.backward is not None
+    assert plan.pool.backward.arena_bytes == plan.pool.backward.lower_bound_bytes > 0
     assert "pooled backward arena" in plan.table()
     assert fxmem.Plan.from_json(plan.to_json()) == plan
     # The pooled step's simulated peak (arenas held across their graphs) is what MemTracker sees.
     measured = measure_peak_bytes(pooled, inputs)
-    assert abs(plan.pool["step"]["predicted_peak_bytes"] - measured) <= 0.01 * measured
+    assert abs(plan.pool.predicted_peak_bytes - measured) <= 0.01 * measured
 
 
 def test_graph_without_fake_values_is_refused():
@@ -153,11 +153,11 @@ def test_keep_peak_pools_less_and_never_raises_the_step_more():
     model, inputs = models.from_name("resnet-tiny"), models.example_inputs("resnet-tiny")
     every = fxmem.plan(model, inputs, pool="all")
     kept = fxmem.plan(model, inputs, pool=True)
-    assert every.pool["backward"]["kept_for_peak"] == 0
-    assert kept.pool["backward"]["kept_for_peak"] > 0
-    assert kept.pool["backward"]["pooled"] < every.pool["backward"]["pooled"]
-    assert kept.pool["step"]["predicted_peak_bytes"] <= every.pool["step"]["predicted_peak_bytes"]
-    assert every.pool["step"]["predicted_peak_bytes"] > every.predicted_peak_bytes  # the arena is held
+    assert every.pool.backward.kept_for_peak == 0
+    assert kept.pool.backward.kept_for_peak > 0
+    assert kept.pool.backward.pooled < every.pool.backward.pooled
+    assert kept.pool.predicted_peak_bytes <= every.pool.predicted_peak_bytes
+    assert every.pool.predicted_peak_bytes > every.predicted_peak_bytes  # the arena is held
 
 
 @pytest.mark.parametrize("bad", ["yes", 1.0, None])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import socket
@@ -33,7 +34,7 @@ def test_stage_modules_chain_to_the_model_with_its_own_parameters():
     idx, targets = models.example_inputs("gpt-tiny", 2)
     plan = fxmem.plan(model, (idx, targets), num_stages=3, n_microbatches=M)
     plan = fxmem.Plan.from_json(plan.to_json())
-    assert len(plan.stages) == 3 and plan.stage_balance >= 1.0
+    assert len(plan.pipeline.stages) == 3 and plan.pipeline.balance >= 1.0
     stages = stage_modules(model, plan)
     own: dict[int, set] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -45,16 +46,16 @@ def test_stage_modules_chain_to_the_model_with_its_own_parameters():
             assert name in own[id(p)] and names[name] == name  # the model's tensors, under their own names
         out = stage(*out) if isinstance(out, tuple) else stage(out)
     torch.testing.assert_close(out, model(idx, targets), rtol=0, atol=0)
-    assert "wte.weight" in plan.pipeline["shared_parameters"]  # tied with lm_head, read by first and last
-    assert set(plan.stages[0]["parameters"]) & set(plan.stages[-1]["parameters"]) == {"wte.weight"}
+    assert "wte.weight" in plan.pipeline.shared_parameters  # tied with lm_head, read by first and last
+    assert set(plan.pipeline.stages[0].parameters) & set(plan.pipeline.stages[-1].parameters) == {"wte.weight"}
     table = plan.table()
     assert "stage" in table and "blocks.0" in table
     with pytest.raises(fxmem.PlanMismatchError, match="another graph"):
         stage_modules(gpt(n_layer=3), plan)
     old = json.loads(plan.to_json())  # a plan file written before pipeline stages existed still loads
-    for key in ("stages", "stage_balance", "pipeline"):
-        del old[key]
-    assert fxmem.Plan.from_json(json.dumps(old)).stages == ()
+    old["schema_version"] = 1
+    del old["pipeline"]
+    assert fxmem.Plan.from_json(json.dumps(old)).pipeline is None
 
 
 def test_uneven_model_balances_better_than_equal_layers():
@@ -65,21 +66,21 @@ def test_uneven_model_balances_better_than_equal_layers():
         plan = fxmem.plan(model, batch, num_stages=S, n_microbatches=M)
         problem = problem_from_plan(plan)
         uniform = evaluate(problem, baseline_cuts(plan, "uniform"))
-        assert plan.stage_balance == pytest.approx(plan.pipeline["slowest_s"] / plan.pipeline["lower_bound_s"])
-        assert plan.pipeline["slowest_s"] < uniform.slowest_s * 0.95, (S, plan.stage_balance, uniform.balance)
-        assert plan.pipeline["slowest_s"] <= evaluate(problem, baseline_cuts(plan, "parameters")).slowest_s
+        assert plan.pipeline.balance == pytest.approx(plan.pipeline.slowest_s / plan.pipeline.lower_bound_s)
+        assert plan.pipeline.slowest_s < uniform.slowest_s * 0.95, (S, plan.pipeline.balance, uniform.balance)
+        assert plan.pipeline.slowest_s <= evaluate(problem, baseline_cuts(plan, "parameters")).slowest_s
 
 
 def test_stage_budget_is_respected_and_infeasible_is_clear():
     model = mlp()
     x, _ = models.example_inputs("mlp-tiny", 4)
     free = fxmem.plan(model, (x,), num_stages=2, n_microbatches=M, schedule="gpipe")
-    budget = max(s["predicted_peak_bytes"] for s in free.stages)
+    budget = max(s.predicted_peak_bytes for s in free.pipeline.stages)
     with pytest.raises(fxmem.InfeasibleBudgetError) as info:
         fxmem.plan(model, (x,), budget_gb=2000 / 2**30, num_stages=2, n_microbatches=M, schedule="gpipe")
     assert "least per-stage budget" in str(info.value) and info.value.min_budget_bytes > 2000
     fits = fxmem.plan(model, (x,), budget_gb=budget / 2**30, num_stages=2, n_microbatches=M, schedule="gpipe")
-    assert all(s["predicted_peak_bytes"] <= budget for s in fits.stages)
+    assert all(s.predicted_peak_bytes <= budget for s in fits.pipeline.stages)
 
 
 # ---- two processes -------------------------------------------------------------------------------
@@ -123,7 +124,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         plan = fxmem.plan(model, (idx[:2], targets[:2]), num_stages=2, n_microbatches=M)
         plans = [None, None]
         # every rank solves for itself: the split (and everything it was solved from) must be identical
-        dist.all_gather_object(plans, json.dumps([plan.stages, plan.pipeline, plan.stage_balance], sort_keys=True))
+        dist.all_gather_object(plans, json.dumps(dataclasses.asdict(plan.pipeline), sort_keys=True))
         results["same_plan"] = plans[0] == plans[1]
         results["gpt-gpipe"] = _run_case(rank, model, (idx, targets), fxmem.pipeline.output_is_loss, targets,
                                          ScheduleGPipe, plan)
@@ -131,12 +132,12 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         # under a time limit need not find the same recompute set in every process)
         tight = [None]
         if rank == 0:
-            peak = max(s["predicted_peak_bytes"] for s in plan.stages)
+            peak = max(s.predicted_peak_bytes for s in plan.pipeline.stages)
             tight = [fxmem.plan(model, (idx[:2], targets[:2]), budget_gb=0.9 * peak / 2**30, num_stages=2,
                                 n_microbatches=M, solver="greedy").to_json()]
         dist.broadcast_object_list(tight, src=0)
         tight = fxmem.Plan.from_json(tight[0])
-        results["recompute"] = [bool(s["plan"] and s["plan"]["recompute"]) for s in tight.stages]
+        results["recompute"] = [bool(s.plan and s.plan["recompute"]) for s in tight.pipeline.stages]
         results["gpt-1f1b"] = _run_case(rank, model, (idx, targets), fxmem.pipeline.output_is_loss, targets,
                                         Schedule1F1B, tight)
         four = fxmem.plan(model, (idx[:2], targets[:2]), num_stages=4, n_microbatches=M)

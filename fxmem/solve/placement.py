@@ -31,9 +31,9 @@ class PlacementError(ValueError):
     """No contiguous placement fits the budgets."""
 
 
-def place_regions(seconds: Sequence[float], memory: Sequence[int], budgets: Sequence[int]) -> Placement:
+def place_regions(seconds: Sequence[float], memory: Sequence[int], budgets: Sequence[int | None]) -> Placement:
     """Assign units (in order) to devices (in order) in contiguous runs, each device's memory within its
-    budget, minimising the largest per-device time. Raises PlacementError when nothing fits."""
+    budget (None: no limit), minimising the largest per-device time. Raises PlacementError when nothing fits."""
     n, d = len(seconds), len(budgets)
     if len(memory) != n:
         raise ValueError(f"{len(memory)} memory entries for {n} units")
@@ -43,7 +43,8 @@ def place_regions(seconds: Sequence[float], memory: Sequence[int], budgets: Sequ
     m = [0, *accumulate(memory)]
 
     def run_cost(first: int, stop: int, k: int) -> float | None:
-        return t[stop] - t[first] if m[stop] - m[first] <= budgets[k] else None
+        fits = budgets[k] is None or m[stop] - m[first] <= budgets[k]
+        return t[stop] - t[first] if fits else None
 
     runs = min_max_partition(n, d, run_cost, allow_empty=True, prefer_late_cuts=True)
     if runs is None:

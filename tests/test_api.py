@@ -1,4 +1,4 @@
-"""fxmem.plan / fxmem.optimize on the zoo: budgets met as measured by MemTracker, training exact."""
+"""fxmem.plan / fxmem.optimize (fxmem/api.py) on the zoo: budgets met as measured by MemTracker, training exact."""
 from __future__ import annotations
 
 import copy

@@ -1,0 +1,120 @@
+"""The public front door: `fxmem.plan` and `fxmem.optimize`.
+
+Reads the user's arguments: checks them and turns the budget into bytes once, then hands the work to
+the planner that fits: pipeline stages (`fxmem.pipeline`) with `num_stages`, device placement
+(`fxmem.placement`) with `devices`, otherwise one device's step (`fxmem.engine`). Writes nothing.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from fxmem.budget import budget_bytes, per_device_budgets
+from fxmem.cost import DEVICE_PRESETS, DeviceSpec
+from fxmem.engine import OptimizedModule, plan_step, signature_of
+from fxmem.pipeline import PipelineRequest, plan_pipeline
+from fxmem.placement import PlacedModule
+from fxmem.plan import Plan
+from fxmem.planner import PlanRequest
+
+POOL_MODES = (False, True, "all")
+
+
+def check_pool(pool: Any) -> bool | str:
+    """`pool` must be False, True or "all"."""
+    if not isinstance(pool, (bool, str)) or pool not in POOL_MODES:
+        raise ValueError(f"pool must be False, True (pool what keeps each graph's peak) or \"all\", got {pool!r}")
+    return pool
+
+
+def check_time_limit(time_limit_s: Any) -> float:
+    if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not time_limit_s > 0 \
+            or time_limit_s == float("inf"):
+        raise ValueError(f"time_limit_s must be a positive, finite number of seconds, got {time_limit_s!r}")
+    return float(time_limit_s)
+
+
+def device_spec(device: DeviceSpec | str | None, offload: bool = False) -> DeviceSpec:
+    """The device to plan for: a `DeviceSpec`, a preset name, or the CPU preset."""
+    spec = DeviceSpec.from_name(device) if isinstance(device, str) else device or DEVICE_PRESETS["cpu"]
+    if offload and spec.host_link is None:
+        raise ValueError(f"offload=True needs a host link on device {spec.name}; "
+                         "use DeviceSpec.with_link('pcie4' | 'pcie5' | 'nvlink-c2c')")
+    return spec
+
+
+def make_request(model: torch.nn.Module, args: tuple, kwargs: dict, *, budget: int | None, device: DeviceSpec,
+                 solver: str, time_limit_s: float, offload: bool = False, pool: bool | str = False,
+                 plan: Plan | None = None) -> PlanRequest:
+    """What to plan for one input signature of `model` (budget in bytes, None: keep everything)."""
+    return PlanRequest(budget_bytes=plan.budget_bytes if plan is not None else budget, plan=plan, device=device,
+                       solver=solver, time_limit_s=time_limit_s, model=type(model).__qualname__,
+                       signature=signature_of(model, args, kwargs), offload=bool(offload), pool=pool)
+
+
+def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: float | None = None, *,
+         example_kwargs: dict[str, Any] | None = None, device: DeviceSpec | str | None = None,
+         solver: str = "auto", time_limit_s: float = 10.0, offload: bool = False,
+         target: DeviceSpec | str | None = None, pool: bool | str = False, num_stages: int | None = None,
+         schedule: str = "1f1b", n_microbatches: int | None = None, optimizer: str | float | None = None) -> Plan:
+    """Plan a training step of `model` on `example_inputs` under `budget_gb` without running it
+    (fake tensors only). Without a budget the plan keeps everything (the eager step).
+    `target` (same as `device`): the device to plan for, which need not be present; with
+    `offload=True` saved values may also be copied to host memory over its host link. With `pool`, the
+    plan also reports what pooling the forward and backward graphs into one arena each would give
+    (`pool=True`: the intermediates whose pooling does not raise the graph's peak; `pool="all"`: all).
+    With `num_stages`, `example_inputs` is one microbatch and `budget_gb` is per pipeline stage:
+    see `fxmem.pipeline` (`schedule` "1f1b" or "gpipe", `n_microbatches`, `optimizer` state)."""
+    args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+    budget = budget_bytes(budget_gb)
+    check_pool(pool)
+    request = make_request(model, args, kwargs, budget=budget, device=device_spec(target or device, offload),
+                           solver=solver, time_limit_s=check_time_limit(time_limit_s), offload=offload, pool=pool)
+    if num_stages is not None:
+        if offload or pool:
+            raise ValueError("num_stages= plans pipeline stages; offload= and pool= apply to one device's step, "
+                             "not yet to pipeline stages")
+        return plan_pipeline(model, args, kwargs, request,
+                             PipelineRequest(num_stages, schedule, n_microbatches, optimizer))
+    return plan_step(model, args, kwargs, request)
+
+
+def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Plan | None = None,
+             device: DeviceSpec | str | None = None, solver: str = "auto",
+             time_limit_s: float = 10.0, offload: bool = False, target: DeviceSpec | str | None = None,
+             devices: Sequence[str] | None = None, pool: bool | str = False) -> OptimizedModule | PlacedModule:
+    """A module that trains like `model` with its step planned under `budget_gb` (planned lazily at the
+    first call, from the real inputs; re-planned per input signature), or running a given `plan`.
+    `offload=True` lets the planner copy saved values to host memory (see `plan`); `devices` places
+    contiguous regions of the model on several devices, `budget_gb` per device. With `pool`, each
+    forward and backward graph allocates one arena for its intermediates (passes/pool.py):
+    `pool=True` those whose pooling does not raise the graph's peak, `pool="all"` every one; the
+    plans in `.plans` then carry the pool's stats."""
+    check_pool(pool)
+    time_limit_s = check_time_limit(time_limit_s)
+    if plan is not None and not isinstance(plan, Plan):
+        raise TypeError(f"plan must be an fxmem.Plan (see fxmem.Plan.load), got {type(plan).__name__}")
+    if devices is not None:
+        if pool:
+            raise ValueError("pool=True is not supported together with devices=[...]")
+        devices = [str(d) for d in devices]
+        if not devices:
+            raise ValueError("devices= needs at least one device, e.g. ['cuda:0', 'cuda:1']")
+        if plan is not None and not plan.devices:
+            raise ValueError("plan= has no device placement; make one with fxmem.optimize(model, budget_gb=..., "
+                             "devices=[...]) and reuse its .plan")
+        budgets = per_device_budgets(budget_gb, len(devices))
+        if budgets is None:
+            budgets = [e.budget_bytes for e in plan.devices] if plan is not None else [None] * len(devices)
+        return PlacedModule(model, devices, budgets, plan, device_spec(target or device))
+    if (budget_gb is None) == (plan is None):
+        raise ValueError("pass exactly one of budget_gb= (plan at the first call) or plan= (a Plan made earlier)")
+    budget = budget_bytes(budget_gb)
+    spec = device_spec(target or device, offload)
+
+    def request_for(args: tuple, kwargs: dict) -> PlanRequest:
+        return make_request(model, args, kwargs, budget=budget, device=spec, solver=solver,
+                            time_limit_s=time_limit_s, offload=offload, pool=pool, plan=plan)
+
+    return OptimizedModule(model, request_for)

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 import torch
 
 from fxmem.budget import budget_bytes, per_device_budgets
-from fxmem.cost import DEVICE_PRESETS, DeviceSpec
+from fxmem.cost import DeviceSpec, preset_for
 from fxmem.engine import OptimizedModule, plan_step, signature_of
 from fxmem.pipeline import PipelineRequest, plan_pipeline
 from fxmem.placement import PlacedModule
@@ -35,29 +35,44 @@ def check_time_limit(time_limit_s: Any) -> float:
     return float(time_limit_s)
 
 
-def device_spec(device: DeviceSpec | str | None, offload: bool = False) -> DeviceSpec:
-    """The device to plan for: a `DeviceSpec`, a preset name, or the CPU preset."""
-    spec = DeviceSpec.from_name(device) if isinstance(device, str) else device or DEVICE_PRESETS["cpu"]
+def device_spec(device: DeviceSpec | str | None, offload: bool = False,
+                model: torch.nn.Module | None = None) -> DeviceSpec:
+    """The device to plan for: a `DeviceSpec`, a preset name, or the preset of the device the
+    model's parameters live on (a GPU by its name; the CPU preset otherwise)."""
+    if isinstance(device, str):
+        spec = DeviceSpec.from_name(device)
+    else:
+        spec = device or preset_for(model_device(model))
     if offload and spec.host_link is None:
         raise ValueError(f"offload=True needs a host link on device {spec.name}; "
                          "use DeviceSpec.with_link('pcie4' | 'pcie5' | 'nvlink-c2c')")
     return spec
 
 
+def model_device(model: torch.nn.Module | None) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu")) if model is not None \
+        else torch.device("cpu")
+
+
 def make_request(model: torch.nn.Module, args: tuple, kwargs: dict, *, budget: int | None, device: DeviceSpec,
                  solver: str, time_limit_s: float, offload: bool = False, pool: bool | str = False,
-                 plan: Plan | None = None) -> PlanRequest:
-    """What to plan for one input signature of `model` (budget in bytes, None: keep everything)."""
+                 plan: Plan | None = None, calibrate: bool | None = None) -> PlanRequest:
+    """What to plan for one input signature of `model` (budget in bytes, None: keep everything).
+    `calibrate` None: time the kernels when the model is on a GPU (the device it will train on)."""
+    if calibrate is None:
+        calibrate = model_device(model).type == "cuda"
     return PlanRequest(budget_bytes=plan.budget_bytes if plan is not None else budget, plan=plan, device=device,
                        solver=solver, time_limit_s=time_limit_s, model=type(model).__qualname__,
-                       signature=signature_of(model, args, kwargs), offload=bool(offload), pool=pool)
+                       signature=signature_of(model, args, kwargs), offload=bool(offload), pool=pool,
+                       calibrate=bool(calibrate))
 
 
 def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: float | None = None, *,
          example_kwargs: dict[str, Any] | None = None, device: DeviceSpec | str | None = None,
          solver: str = "auto", time_limit_s: float = 10.0, offload: bool = False,
          target: DeviceSpec | str | None = None, pool: bool | str = False, num_stages: int | None = None,
-         schedule: str = "1f1b", n_microbatches: int | None = None, optimizer: str | float | None = None) -> Plan:
+         schedule: str = "1f1b", n_microbatches: int | None = None, optimizer: str | float | None = None,
+         calibrate: bool | None = None) -> Plan:
     """Plan a training step of `model` on `example_inputs` under `budget_gb` without running it
     (fake tensors only). Without a budget the plan keeps everything (the eager step).
     `target` (same as `device`): the device to plan for, which need not be present; with
@@ -65,12 +80,15 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
     plan also reports what pooling the forward and backward graphs into one arena each would give
     (`pool=True`: the intermediates whose pooling does not raise the graph's peak; `pool="all"`: all).
     With `num_stages`, `example_inputs` is one microbatch and `budget_gb` is per pipeline stage:
-    see `fxmem.pipeline` (`schedule` "1f1b" or "gpipe", `n_microbatches`, `optimizer` state)."""
+    see `fxmem.pipeline` (`schedule` "1f1b" or "gpipe", `n_microbatches`, `optimizer` state).
+    `calibrate`: price each kernel by timing it on the device here (default: when the model is on a
+    GPU); otherwise, and for kernels it cannot time, the target's roofline prices them."""
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
     budget = budget_bytes(budget_gb)
     check_pool(pool)
-    request = make_request(model, args, kwargs, budget=budget, device=device_spec(target or device, offload),
-                           solver=solver, time_limit_s=check_time_limit(time_limit_s), offload=offload, pool=pool)
+    request = make_request(model, args, kwargs, budget=budget, device=device_spec(target or device, offload, model),
+                           solver=solver, time_limit_s=check_time_limit(time_limit_s), offload=offload, pool=pool,
+                           calibrate=calibrate)
     if num_stages is not None:
         if offload or pool:
             raise ValueError("num_stages= plans pipeline stages; offload= and pool= apply to one device's step, "
@@ -83,14 +101,15 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
 def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Plan | None = None,
              device: DeviceSpec | str | None = None, solver: str = "auto",
              time_limit_s: float = 10.0, offload: bool = False, target: DeviceSpec | str | None = None,
-             devices: Sequence[str] | None = None, pool: bool | str = False) -> OptimizedModule | PlacedModule:
+             devices: Sequence[str] | None = None, pool: bool | str = False,
+             calibrate: bool | None = None) -> OptimizedModule | PlacedModule:
     """A module that trains like `model` with its step planned under `budget_gb` (planned lazily at the
     first call, from the real inputs; re-planned per input signature), or running a given `plan`.
     `offload=True` lets the planner copy saved values to host memory (see `plan`); `devices` places
     contiguous regions of the model on several devices, `budget_gb` per device. With `pool`, each
     forward and backward graph allocates one arena for its intermediates (passes/pool.py):
     `pool=True` those whose pooling does not raise the graph's peak, `pool="all"` every one; the
-    plans in `.plans` then carry the pool's stats."""
+    plans in `.plans` then carry the pool's stats. `calibrate`: see `plan`."""
     check_pool(pool)
     time_limit_s = check_time_limit(time_limit_s)
     if plan is not None and not isinstance(plan, Plan):
@@ -107,14 +126,14 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
         budgets = per_device_budgets(budget_gb, len(devices))
         if budgets is None:
             budgets = [e.budget_bytes for e in plan.devices] if plan is not None else [None] * len(devices)
-        return PlacedModule(model, devices, budgets, plan, device_spec(target or device))
+        return PlacedModule(model, devices, budgets, plan, device_spec(target or device, model=model))
     if (budget_gb is None) == (plan is None):
         raise ValueError("pass exactly one of budget_gb= (plan at the first call) or plan= (a Plan made earlier)")
     budget = budget_bytes(budget_gb)
-    spec = device_spec(target or device, offload)
+    spec = device_spec(target or device, offload, model)
 
     def request_for(args: tuple, kwargs: dict) -> PlanRequest:
         return make_request(model, args, kwargs, budget=budget, device=spec, solver=solver,
-                            time_limit_s=time_limit_s, offload=offload, pool=pool, plan=plan)
+                            time_limit_s=time_limit_s, offload=offload, pool=pool, plan=plan, calibrate=calibrate)
 
     return OptimizedModule(model, request_for)

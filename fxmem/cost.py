@@ -10,7 +10,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 import torch.fx
@@ -95,6 +95,25 @@ DEVICE_PRESETS: Mapping[str, DeviceSpec] = MappingProxyType({
 })
 
 
+# GPU name fragments (lower case, as torch.cuda.get_device_name gives them) -> preset; GH200 before H200.
+GPU_PRESETS = (("gh200", "gh200"), ("h200", "h200"), ("h100", "h100"), ("a100", "a100"), ("l4", "l4"),
+               ("4090", "rtx4090"))
+
+
+def preset_for(device: torch.device | str) -> DeviceSpec:
+    """The preset of the device a model lives on: a GPU by its name (an unknown GPU gets the a100
+    preset under its own name and memory), the CPU preset otherwise."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return DEVICE_PRESETS["cpu"]
+    name = torch.cuda.get_device_name(device)
+    memory = torch.cuda.get_device_properties(device).total_memory
+    for fragment, preset in GPU_PRESETS:
+        if fragment in name.lower():
+            return replace(DEVICE_PRESETS[preset], memory_bytes=memory)
+    return replace(DEVICE_PRESETS["a100"], name=name, memory_bytes=memory)
+
+
 @dataclass(frozen=True)
 class NodeCost:
     """One node's costs. `saved_bytes`: storage bytes it keeps alive for backward when saved (0 for views)."""
@@ -168,9 +187,12 @@ def _count_flops(node: torch.fx.Node) -> int:
 
 
 def estimate(gm: torch.fx.GraphModule, device: DeviceSpec | None = None,
-             backward: set[torch.fx.Node] | frozenset[torch.fx.Node] = frozenset()) -> CostTable:
+             backward: set[torch.fx.Node] | frozenset[torch.fx.Node] = frozenset(),
+             timer: Callable[[torch.fx.Node], float | None] | None = None) -> CostTable:
     """Cost every call_function node of `gm`; `backward` names the joint graph's backward nodes,
-    so a forward node read by one of them reports the bytes eager autograd would save for it."""
+    so a forward node read by one of them reports the bytes eager autograd would save for it.
+    `timer(node)` gives a node's measured seconds (`fxmem.kernel_timer`), where it can; the
+    device's roofline prices the rest."""
     device = device or DEVICE_PRESETS["cpu"]
     table: dict[str, NodeCost] = {}
     for node in gm.graph.nodes:
@@ -184,7 +206,9 @@ def estimate(gm: torch.fx.GraphModule, device: DeviceSpec | None = None,
         else:
             in_bytes = sum(t.numel() * t.element_size() for n in node.all_input_nodes for t in tensors_of(n))
             flops = _count_flops(node)
-            seconds = device.seconds(flops, in_bytes + out_bytes, outs[0].dtype if outs else None)
+            measured = timer(node) if timer is not None else None
+            seconds = measured if measured is not None else \
+                device.seconds(flops, in_bytes + out_bytes, outs[0].dtype if outs else None)
         saved = out_bytes if any(u in backward for u in node.users) and node not in backward else 0
         cost = NodeCost(node.name, _op_name(node), module_path(node), out_bytes, saved, flops, seconds, view)
         node.meta.setdefault("fxmem", {})["cost"] = cost

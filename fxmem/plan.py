@@ -170,6 +170,8 @@ class Plan:
     offloaded_bytes: int = 0
     exposed_transfer_s: float = 0.0  # part of predicted_step_s spent waiting on the host link
     host_link: str = ""
+    timing: str = ""  # where the step's times come from: the device's roofline, or measured kernels
+    graph_device: str = ""  # the device type of the fake tensors the graph was traced on ("cpu", "cuda")
     pool: PoolSection | None = None
     pipeline: PipelineSection | None = None
     devices: tuple[DeviceRow, ...] = ()

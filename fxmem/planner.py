@@ -19,6 +19,7 @@ import torch.fx
 
 from fxmem.cost import DEVICE_PRESETS, HOST_LINKS, CostTable, DeviceSpec, estimate
 from fxmem.errors import InfeasibleBudgetError, fmt_bytes
+from fxmem.kernel_timer import KernelTimer
 from fxmem.memory import MemoryTimeline, simulate_step, storages_of
 from fxmem.plan import NodeRow, Plan, PoolSection, graph_fingerprint
 from fxmem.problem import enable_offload, eager_decision, offload_cost, saved_set
@@ -61,6 +62,7 @@ class PlanRequest:
     offload: bool = False
     offload_min_bytes: int = OFFLOAD_MIN_BYTES
     pool: bool | str = False
+    calibrate: bool = False  # time the graph's kernels on the device here (fxmem.kernel_timer)
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,8 @@ class Planner:
         request = self.request
         budget = request.budget_bytes
         split = split_joint(joint, self.num_fwd_outputs)
-        costs = estimate(joint, request.device, backward=set(split.backward))
+        timer = KernelTimer(_graph_device(joint)) if request.calibrate else None
+        costs = estimate(joint, request.device, backward=set(split.backward), timer=timer and timer.seconds)
         self._price_copies(costs)
         lowered = build_problem(joint, split, costs, budget or 0)
         if request.offload:
@@ -171,6 +174,7 @@ class Planner:
             offload=tuple(offloaded), exposed_transfer_s=exposed_s,
             offloaded_bytes=sum(lowered.problem.size[i] for i in chosen.offloaded),
             host_link=request.device.host_link.name if request.offload and request.device.host_link else "",
+            timing=_timing(request.device, timer), graph_device=_graph_device(joint).type,
             timelines={"eager": eager.timeline, "plan": chosen.timeline})
 
     def _fit_both(self, joint, lowered: Lowered, split: JointSplit, budget: int):
@@ -282,6 +286,21 @@ def _allow_offload(lowered: Lowered, split: JointSplit, costs: CostTable, min_by
     transfer_ns = [round(link.seconds(b) * 1e9) for b in problem.size]
     overhead_ns = round(2 * costs.device.op_overhead_s * 1e9)
     return dataclasses.replace(lowered, problem=enable_offload(problem, step_ns, transfer_ns, min_bytes, overhead_ns))
+
+
+def _timing(device: DeviceSpec, timer: KernelTimer | None) -> str:
+    if timer is None or not timer.measured:
+        return f"{device.name} roofline"
+    return f"{timer.measured} kernels measured on {timer.device}, the rest by the {device.name} roofline"
+
+
+def _graph_device(joint: torch.fx.GraphModule) -> torch.device:
+    """The device the joint graph's inputs live on (the first placeholder with a tensor value)."""
+    for node in joint.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return torch.device("cpu")
 
 
 def _device_named(name: str, default: DeviceSpec) -> DeviceSpec:

@@ -64,13 +64,17 @@ def summary_rows(plan: Any) -> list[list[str]]:
         ["activation memory removed", f"{plan.activation_reduction_pct:.1f}%"],
         ["extra FLOPs", f"{plan.extra_flops / 1e9:,.3f} GFLOP ({plan.extra_flops_pct:.2f}% of the step)"],
         ["predicted step time", f"{plan.predicted_step_s * 1e3:,.2f} ms on {plan.device} "
-                                f"(eager {plan.baseline_step_s * 1e3:,.2f} ms, +{step_overhead:.1f}%)"],
+                                f"(eager {plan.baseline_step_s * 1e3:,.2f} ms, +{step_overhead:.1f}%)"
+                                + (f"; {plan.timing}" if plan.timing else "")],
         ["recomputed values", str(len(plan.recompute))],
     ]
     if plan.offload:
         rows += [["offloaded to host", f"{len(plan.offload)} values, {fmt_bytes(plan.offloaded_bytes)} over "
                                        f"{plan.host_link or 'the host link'}"],
                  ["exposed transfer time", f"{plan.exposed_transfer_s * 1e3:,.3f} ms (copy waits and launches; in the step time)"]]
+    if plan.graph_device == "cpu" and plan.device not in ("cpu", ""):
+        rows.append(["graph", f"traced on CPU for {plan.device}: where CUDA runs other kernels (attention backends, "
+                              "autocast casts) the GPU's graph differs; fxmem.check_plan on the GPU says so"])
     rows += [
         ["solver", f"{plan.solver}: {plan.solver_status}, gap {plan.solver_gap * 100:.2f}%, "
                    f"{plan.solve_time_s:.2f} s"],

@@ -1,0 +1,102 @@
+"""Kernel timing: how long each op of a graph takes on the device that is here, measured.
+
+Reads graph nodes (their target and `meta["val"]` fake tensors: shapes, strides, dtypes, device);
+runs each distinct op once per signature on real tensors made like its inputs (random floats,
+ones for integers, so indices stay in range), warms up, then times back-to-back calls with the
+wall clock after a device synchronisation: the time of one call as a training step sees it, the
+dispatch and launch overhead included (a GPU kernel shorter than its launch is launch-bound).
+Caches the seconds per signature; writes nothing. Ops it cannot run, and ops whose tensors would
+take more than `max_bytes`, are left to the caller's roofline estimate (`seconds` returns None).
+"""
+from __future__ import annotations
+
+import operator
+import time
+from typing import Any, Hashable
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from fxmem.memory import tensors_of
+
+MIN_SECONDS = 2e-3  # time each signature for at least this long (more calls for short kernels)
+MAX_CALLS = 50
+
+
+class KernelTimer:
+    """Seconds per op on `device`, measured once per (op, argument signature)."""
+
+    def __init__(self, device: torch.device | str, max_bytes: int = 1 << 30):
+        self.device = torch.device(device)
+        self.max_bytes = max_bytes
+        self.cache: dict[Hashable, float | None] = {}
+        self.measured = 0
+
+    def seconds(self, node: torch.fx.Node) -> float | None:
+        """The measured seconds of one call of `node`'s op, or None when it cannot be measured."""
+        if node.op != "call_function" or node.target is operator.getitem:
+            return None
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+        leaves = pytree.tree_leaves((args, kwargs))
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)] + tensors_of(node)
+        if not tensors or any(t.device.type != self.device.type for t in tensors):
+            return None
+        if sum(t.numel() * t.element_size() for t in tensors) > self.max_bytes:
+            return None
+        key = (node.target, _signature(args), _signature(kwargs))
+        if key not in self.cache:
+            self.cache[key] = self._measure(node.target, args, kwargs)
+        return self.cache[key]
+
+    def _measure(self, target: Any, args: Any, kwargs: Any) -> float | None:
+        real_args, real_kwargs = pytree.tree_map_only(torch.Tensor, self._real, (args, kwargs))
+        try:
+            target(*real_args, **real_kwargs)  # warm-up: caches, autotuning, lazy initialisation
+            self._sync()
+            calls, started = 0, time.perf_counter()
+            while calls < MAX_CALLS and (calls == 0 or time.perf_counter() - started < MIN_SECONDS):
+                target(*real_args, **real_kwargs)
+                calls += 1
+                if calls == 1:
+                    self._sync()
+                    first = time.perf_counter() - started
+                    if first > MIN_SECONDS:  # a long kernel: one timed call is enough
+                        return first
+            self._sync()
+        except Exception:  # an op that cannot run on made-up values: priced by the roofline instead
+            return None
+        self.measured += 1
+        return (time.perf_counter() - started) / calls
+
+    def _real(self, fake: torch.Tensor) -> torch.Tensor:
+        """A real tensor with `fake`'s shape, strides and storage: random floats, ones otherwise."""
+        numel = max(1, fake.untyped_storage().nbytes() // fake.element_size())
+        with torch.no_grad():
+            if fake.is_floating_point() or fake.is_complex():
+                flat = torch.rand(numel, dtype=fake.dtype, device=self.device)
+            else:
+                flat = torch.ones(numel, dtype=fake.dtype, device=self.device)
+            return flat.as_strided(fake.shape, fake.stride(), fake.storage_offset())
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def _signature(value: Any) -> Hashable:
+    """What decides an op's speed: tensors by shape, strides and dtype; other arguments as they are."""
+    def describe(x: Any) -> Hashable:
+        if isinstance(x, torch.Tensor):
+            return ("tensor", tuple(x.shape), tuple(x.stride()), x.dtype)
+        if isinstance(x, (list, tuple)):
+            return tuple(describe(v) for v in x)
+        if isinstance(x, dict):
+            return tuple(sorted((k, describe(v)) for k, v in x.items()))
+        try:
+            hash(x)
+            return x
+        except TypeError:
+            return repr(x)
+
+    return describe(value)

@@ -1,0 +1,78 @@
+"""Kernel timing (fxmem/kernel_timer.py) and its use by the planner: measured seconds per op
+signature, cached; the roofline for what cannot be measured; the preset chosen from the device."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+import fxmem
+from fxmem import models
+from fxmem.cost import DEVICE_PRESETS, estimate, preset_for
+from fxmem.kernel_timer import KernelTimer
+from tests.conftest import joint_of
+
+
+def _joint():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    return joint_of(model, torch.randn(32, 64))[0]
+
+
+def test_each_signature_is_timed_once_and_used_by_the_cost_table():
+    joint = _joint()
+    timer = KernelTimer("cpu")
+    costs = estimate(joint, timer=timer.seconds)
+    mms = [n for n in joint.graph.nodes if n.op == "call_function" and "mm" in str(n.target)]
+    assert mms and all(costs[n.name].seconds == timer.seconds(n) > 0 for n in mms)
+    signatures = len(timer.cache)
+    assert timer.measured <= signatures <= len([n for n in joint.graph.nodes if n.op == "call_function"])
+    estimate(joint, timer=timer.seconds)
+    assert len(timer.cache) == signatures  # the second pass measures nothing new
+
+
+def test_what_cannot_be_timed_keeps_the_roofline():
+    joint = _joint()
+    roofline = estimate(joint)
+    costs = estimate(joint, timer=lambda node: None)
+    assert {n: c.seconds for n, c in costs.nodes.items()} == {n: c.seconds for n, c in roofline.nodes.items()}
+    huge = KernelTimer("cpu", max_bytes=1)
+    assert all(huge.seconds(n) is None for n in joint.graph.nodes)
+
+
+def test_plan_says_where_its_times_come_from():
+    torch.manual_seed(0)
+    model, inputs = models.from_name("mlp-tiny"), models.example_inputs("mlp-tiny")
+    assert fxmem.plan(model, inputs).timing == "cpu roofline"
+    calibrated = fxmem.plan(model, inputs, calibrate=True)
+    assert "measured on cpu" in calibrated.timing and "measured" in calibrated.table()
+
+
+def test_preset_follows_the_gpu_name(monkeypatch):
+    assert preset_for("cpu") == DEVICE_PRESETS["cpu"]
+    props = types.SimpleNamespace(total_memory=80 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    for name, preset in (("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA GH200 480GB", "gh200"),
+                         ("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-80GB", "a100")):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
+        assert preset_for("cuda:0").name == preset
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "Some Future GPU")
+    unknown = preset_for("cuda:0")
+    assert unknown.name == "Some Future GPU" and unknown.memory_bytes == 80 * 2**30
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: kernels timed on the GPU")
+def test_gpu_plans_are_timed_on_the_gpu():
+    torch.manual_seed(0)
+    model = models.from_name("gpt-tiny").cuda()
+    inputs = [x.cuda() for x in models.example_inputs("gpt-tiny")]
+    plan = fxmem.plan(model, inputs)
+    assert "measured on cuda" in plan.timing and plan.device != "cpu"
+
+
+def test_a_gpu_plan_traced_on_cpu_says_what_may_differ():
+    torch.manual_seed(0)
+    model, inputs = models.from_name("mlp-tiny"), models.example_inputs("mlp-tiny")
+    plan = fxmem.plan(model, inputs, target="h100")
+    assert plan.graph_device == "cpu" and "traced on CPU for h100" in plan.table()
+    assert "traced on CPU" not in fxmem.plan(model, inputs).table()

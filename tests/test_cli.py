@@ -83,7 +83,7 @@ def test_bad_numbers_are_usage_errors(capsys):
         main(["mlp-tiny", "--budget-gb", "1", "--batch-size", "0"])
     assert info.value.code == 2 and "expected a positive whole number, got '0'" in capsys.readouterr().err
     code, _, err = cli(capsys, "mlp-tiny", "--budget-gb", "-1")
-    assert code == 2 and "budget_gb must be a positive number" in err
+    assert code == 2 and "--budget-gb must be a positive, finite number of GiB" in err
 
 
 def test_list_models(capsys):

@@ -12,11 +12,14 @@ import torch
 
 from fxmem.budget import budget_bytes, per_device_budgets
 from fxmem.cost import DEVICE_PRESETS, DeviceSpec
+from fxmem.capture import example_args
 from fxmem.engine import OptimizedModule, plan_step, signature_of
 from fxmem.pipeline import PipelineRequest, plan_pipeline
-from fxmem.placement import PlacedModule
+from fxmem.placement import PlacedModule, check_devices
 from fxmem.plan import Plan
 from fxmem.planner import PlanRequest
+from fxmem.progress import planning
+from fxmem.report import short_signature
 
 POOL_MODES = (False, True, "all")
 
@@ -66,18 +69,19 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
     (`pool=True`: the intermediates whose pooling does not raise the graph's peak; `pool="all"`: all).
     With `num_stages`, `example_inputs` is one microbatch and `budget_gb` is per pipeline stage:
     see `fxmem.pipeline` (`schedule` "1f1b" or "gpipe", `n_microbatches`, `optimizer` state)."""
-    args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+    args, kwargs = example_args(example_inputs), dict(example_kwargs or {})
     budget = budget_bytes(budget_gb)
     check_pool(pool)
     request = make_request(model, args, kwargs, budget=budget, device=device_spec(target or device, offload),
                            solver=solver, time_limit_s=check_time_limit(time_limit_s), offload=offload, pool=pool)
-    if num_stages is not None:
-        if offload or pool:
-            raise ValueError("num_stages= plans pipeline stages; offload= and pool= apply to one device's step, "
-                             "not yet to pipeline stages")
-        return plan_pipeline(model, args, kwargs, request,
-                             PipelineRequest(num_stages, schedule, n_microbatches, optimizer))
-    return plan_step(model, args, kwargs, request)
+    if num_stages is not None and (offload or pool):
+        raise ValueError("num_stages= plans pipeline stages; offload= and pool= apply to one device's step, "
+                         "not yet to pipeline stages")
+    with planning(f"planning {request.model} {short_signature(request.signature)}", request.time_limit_s):
+        if num_stages is not None:
+            return plan_pipeline(model, args, kwargs, request,
+                                 PipelineRequest(num_stages, schedule, n_microbatches, optimizer))
+        return plan_step(model, args, kwargs, request)
 
 
 def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Plan | None = None,
@@ -98,9 +102,7 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
     if devices is not None:
         if pool:
             raise ValueError("pool=True is not supported together with devices=[...]")
-        devices = [str(d) for d in devices]
-        if not devices:
-            raise ValueError("devices= needs at least one device, e.g. ['cuda:0', 'cuda:1']")
+        devices = check_devices([str(d) for d in devices])
         if plan is not None and not plan.devices:
             raise ValueError("plan= has no device placement; make one with fxmem.optimize(model, budget_gb=..., "
                              "devices=[...]) and reuse its .plan")

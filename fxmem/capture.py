@@ -221,8 +221,8 @@ def _explain(exc: Exception, first: Exception | None = None) -> TraceError:
     return TraceError(
         f"{type(exc).__name__} while tracing{where}",
         "make forward traceable by torch.export (no Python side effects on tensor values, no unsupported "
-        "third-party calls); fxmem.capture(model, example_inputs, method='export') (or method='symbolic_trace') "
-        "raises that tracer's own error",
+        "third-party calls). Torch's full error is this error's __cause__; fxmem.capture(model, example_inputs, "
+        "method='export') (or method='symbolic_trace') tries one tracer alone",
         str(exc))
 
 

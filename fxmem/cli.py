@@ -28,6 +28,8 @@ examples:
   fxmem-plan gpt-small --budget-gb 2 --max-batch    largest batch that fits at <= 10% predicted overhead
   fxmem-plan gpt-small --batch-size 64 --check gpt.plan.json
                                                     does a saved plan still apply to this model/shape/torch?
+  fxmem-plan gpt-tiny --budget-gb 0.003 --stages 2 --microbatches 4 --out pipe.plan.json
+                                                    2 pipeline stages under 0.003 GiB each (inputs: one microbatch)
   fxmem-plan mypkg.models:make --budget-gb 10       your factory: make(batch_size=N, seq_len=L) or make()
                                                     returning (model, example_inputs)
 
@@ -35,7 +37,9 @@ Then, in the training script:
   model = fxmem.optimize(model, plan=fxmem.Plan.load("gpt.plan.json"))
 
 The budget bounds one training step (forward, loss, backward): parameters, gradients, saved
-activations and temporaries, in GiB (2**30 bytes). Exit status: 0 on success, 2 on any error.
+activations and temporaries, in GiB (2**30 bytes). The plan table lists the modules that keep or
+recompute bytes (--all: every module) with a totals row and a legend; docs/cli.md reads it line by
+line. Exit status: 0 on success, 2 on any error (one line on stderr).
 """
 DTYPES = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
 
@@ -248,8 +252,12 @@ def _call_plan(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 def infeasible_message(exc: Any, what: str, offload: bool = False) -> str:
+    """One line: the least feasible --budget-gb and its breakdown; --offload suggested unless `offload`
+    (given already, or not available: pipeline stages)."""
     from fxmem.errors import fmt_bytes, gb_at_least
 
+    if exc.min_budget_bytes <= exc.budget_bytes:  # not a minimum below this budget: the planner's own words
+        return f"{exc} ({what})"
     parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in exc.breakdown.items())
     return (f"budget {fmt_bytes(exc.budget_bytes)} is below the minimum feasible budget "
             f"{fmt_bytes(exc.min_budget_bytes)} for {what}" + (f" ({parts})" if parts else "")
@@ -331,7 +339,8 @@ def run(args: argparse.Namespace) -> None:
             try:
                 plan = _call_plan(fxmem.plan, model, inputs, args.budget_gb, **kwargs)
             except fxmem.InfeasibleBudgetError as exc:
-                raise CliError(infeasible_message(exc, what, offload=bool(kwargs.get("offload")))) from None
+                no_offload = bool(kwargs.get("offload")) or args.stages is not None
+                raise CliError(infeasible_message(exc, what, offload=no_offload)) from None
         _write(args, plan)
 
 

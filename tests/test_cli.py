@@ -49,7 +49,7 @@ def test_plan_saves_json_and_png_that_optimize_reads(tmp_path):
     assert result.stderr.startswith("fxmem: planning mlp-tiny (float32[512,32], int64[512])")
     # the budget the progress lines name is the table's
     table_budget = next(line.split(None, 1)[1] for line in result.stdout.splitlines() if line.startswith("budget "))
-    assert f"for budget {table_budget} less a" in result.stderr
+    assert f", budget {table_budget} less a" in result.stderr
     plan = fxmem.Plan.load(out)
     assert plan.model == "MLP" and plan.budget_bytes == int(0.0007 * 2**30) and plan.recompute
     data = png.read_bytes()

@@ -2,7 +2,8 @@
 
 Reads the user's arguments: checks them and turns the budget into bytes once, then hands the work to
 the planner that fits: pipeline stages (`fxmem.pipeline`) with `num_stages`, device placement
-(`fxmem.placement`) with `devices`, otherwise one device's step (`fxmem.engine`). Writes nothing.
+(`fxmem.placement`) with `devices`, otherwise one device's step (`fxmem.engine`). Writes nothing but
+a progress line on stderr while planning on a terminal (`fxmem.progress.planning`).
 """
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 Reads the user's arguments: checks them and turns the budget into bytes once, then hands the work to
 the planner that fits: pipeline stages (`fxmem.pipeline`) with `num_stages`, device placement
-(`fxmem.placement`) with `devices`, otherwise one device's step (`fxmem.engine`). Writes nothing.
+(`fxmem.placement`) with `devices`, otherwise one device's step (`fxmem.engine`). Writes nothing but
+a progress line on stderr while planning on a terminal (`fxmem.progress.planning`).
 """
 from __future__ import annotations
 
@@ -11,12 +12,15 @@ from typing import Any, Sequence
 import torch
 
 from fxmem.budget import budget_bytes, per_device_budgets
+from fxmem.capture import example_args
 from fxmem.cost import DeviceSpec, preset_for
 from fxmem.engine import OptimizedModule, plan_step, signature_of
 from fxmem.pipeline import PipelineRequest, plan_pipeline
-from fxmem.placement import PlacedModule
+from fxmem.placement import PlacedModule, check_devices
 from fxmem.plan import Plan
 from fxmem.planner import PlanRequest
+from fxmem.progress import planning
+from fxmem.report import short_signature
 
 POOL_MODES = (False, True, "all")
 
@@ -83,19 +87,20 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
     see `fxmem.pipeline` (`schedule` "1f1b" or "gpipe", `n_microbatches`, `optimizer` state).
     `calibrate`: price each kernel by timing it on the device here (default: when the model is on a
     GPU); otherwise, and for kernels it cannot time, the target's roofline prices them."""
-    args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+    args, kwargs = example_args(example_inputs), dict(example_kwargs or {})
     budget = budget_bytes(budget_gb)
     check_pool(pool)
     request = make_request(model, args, kwargs, budget=budget, device=device_spec(target or device, offload, model),
                            solver=solver, time_limit_s=check_time_limit(time_limit_s), offload=offload, pool=pool,
                            calibrate=calibrate)
-    if num_stages is not None:
-        if offload or pool:
-            raise ValueError("num_stages= plans pipeline stages; offload= and pool= apply to one device's step, "
-                             "not yet to pipeline stages")
-        return plan_pipeline(model, args, kwargs, request,
-                             PipelineRequest(num_stages, schedule, n_microbatches, optimizer))
-    return plan_step(model, args, kwargs, request)
+    if num_stages is not None and (offload or pool):
+        raise ValueError("num_stages= plans pipeline stages; offload= and pool= apply to one device's step, "
+                         "not yet to pipeline stages")
+    with planning(f"planning {request.model} {short_signature(request.signature)}", request.time_limit_s):
+        if num_stages is not None:
+            return plan_pipeline(model, args, kwargs, request,
+                                 PipelineRequest(num_stages, schedule, n_microbatches, optimizer))
+        return plan_step(model, args, kwargs, request)
 
 
 def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Plan | None = None,
@@ -117,9 +122,7 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
     if devices is not None:
         if pool:
             raise ValueError("pool=True is not supported together with devices=[...]")
-        devices = [str(d) for d in devices]
-        if not devices:
-            raise ValueError("devices= needs at least one device, e.g. ['cuda:0', 'cuda:1']")
+        devices = check_devices([str(d) for d in devices])
         if plan is not None and not plan.devices:
             raise ValueError("plan= has no device placement; make one with fxmem.optimize(model, budget_gb=..., "
                              "devices=[...]) and reuse its .plan")

@@ -154,8 +154,9 @@ class _RecordingPlanner(Planner):
             self.record.path = plan_path(self.options["plan_out"], self.record.index)
             plan.save(self.record.path)
         if self.options.get("verbose"):
-            print(f"fxmem: graph {self.record.index} ({plan.signature}), budget "
-                  f"{self.record.budget_bytes / GIB:.4f} GiB of {self.ledger.budget_bytes / GIB:.4f} GiB")
+            print(f"fxmem: graph {self.record.index}, budget {self.record.budget_bytes / GIB:.4f} GiB of "
+                  f"{self.ledger.budget_bytes / GIB:.4f} GiB" + (" (earlier graphs keep the rest)" if self.reserved
+                                                                 else ""))
             print(plan.table())
         return fw, bw
 

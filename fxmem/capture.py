@@ -13,9 +13,11 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fxmem.errors import TraceError
+from fxmem.torch_output import held_output
 
 METHODS = ("auto", "symbolic_trace", "export")
 
@@ -27,11 +29,24 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any] = (),
         raise TypeError(f"fxmem captures torch.nn.Module instances, got {type(model).__name__}")
     if method not in METHODS:
         raise ValueError(f"capture method {method!r} is not one of {METHODS}")
-    args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+    args, kwargs = example_args(example_inputs), dict(example_kwargs or {})
     with _restored_buffers(model):
         gm = _capture(model, args, kwargs, method)
     _constants_as_buffers(gm)
     return gm
+
+
+def example_args(example_inputs: Any) -> tuple:
+    """The model's positional example inputs as a tuple; one tensor is one input (as torch.jit.trace takes it)."""
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    if isinstance(example_inputs, dict):
+        raise TypeError("example_inputs is a dict: pass keyword inputs as example_kwargs={...} and positional "
+                        "ones as example_inputs=(x, ...)")
+    if not isinstance(example_inputs, (tuple, list)):
+        raise TypeError(f"example_inputs must be the model's positional inputs, a tuple such as (x,) or (x, y), "
+                        f"got {type(example_inputs).__name__}")
+    return tuple(example_inputs)
 
 
 def _constants_as_buffers(gm: torch.fx.GraphModule) -> None:
@@ -98,7 +113,8 @@ def _state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
-    ep = torch.export.export(model, args, kwargs, strict=False)
+    with held_output():  # a failed export prints partial graphs; the TraceError says what failed
+        ep = torch.export.export(model, args, kwargs, strict=False)
     gm = ep.module()
     if any("val" not in n.meta for n in gm.graph.nodes if n.op in ("call_function", "placeholder")):
         _propagate_fake(gm, flat_graph_inputs(gm, args, kwargs))
@@ -122,8 +138,21 @@ def flat_graph_inputs(gm: torch.fx.GraphModule, args: Sequence[Any], kwargs: dic
 
 
 def structure_outputs(gm: torch.fx.GraphModule, raw: Any) -> Any:
-    """Outputs as gm(*args) returns them, from what the graph's output node yields."""
-    return gm.graph.process_outputs(raw)
+    """Outputs as gm(*args) returns them, from what the graph's output node yields: plain dicts and
+    lists, not the immutable ones the output node holds."""
+    return _plain(gm.graph.process_outputs(raw))
+
+
+def _plain(value: Any) -> Any:
+    """immutable_dict / immutable_list as dict / list, through plain tuples, lists and dicts; other
+    types (namedtuples, ModelOutput) as they are."""
+    if isinstance(value, immutable_dict) or type(value) is dict:
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, immutable_list) or type(value) is list:
+        return [_plain(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_plain(v) for v in value)
+    return value
 
 
 def _propagate_fake(gm: torch.fx.GraphModule, flat_inputs: list[Any]) -> None:
@@ -164,6 +193,9 @@ class _restored_buffers:
 
 
 _KNOWN = (
+    (("cache_utils", "DynamicCache", "past_key_values"),
+     "the model returns a key/value cache (transformers' DynamicCache) with its outputs",
+     "pass use_cache=False: example_kwargs={'use_cache': False}, or model.config.use_cache = False"),
     (("data-dependent", "guard_on_data_dependent", "GuardOnDataDependentSymNode", "Could not guard on",
       "Could not extract specialized integer", "symbolically traced variables cannot be used as inputs to control flow"),
      "data-dependent control flow (a Python `if`, `while` or `int()` on a tensor's value)",
@@ -189,7 +221,8 @@ def _explain(exc: Exception, first: Exception | None = None) -> TraceError:
     return TraceError(
         f"{type(exc).__name__} while tracing{where}",
         "make forward traceable by torch.export (no Python side effects on tensor values, no unsupported "
-        "third-party calls), or pass method='export' / method='symbolic_trace' to see one tracer's full error",
+        "third-party calls). Torch's full error is this error's __cause__; fxmem.capture(model, example_inputs, "
+        "method='export') (or method='symbolic_trace') tries one tracer alone",
         str(exc))
 
 

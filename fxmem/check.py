@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 import torch
 
+from fxmem.capture import example_args
 from fxmem.engine import plan_step, signature_of
 from fxmem.plan import Plan
 from fxmem.planner import PlanRequest
@@ -21,7 +22,7 @@ def check_plan(model: torch.nn.Module, example_inputs: Sequence[Any], plan: Plan
     (under the current autocast state), exactly as `fxmem.optimize(model, plan=plan)` would check it."""
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be an fxmem.Plan (see fxmem.Plan.load), got {type(plan).__name__}")
-    args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+    args, kwargs = example_args(example_inputs), dict(example_kwargs or {})
     signature = signature_of(model, args, kwargs)
     plan.check_applies(model=type(model).__qualname__, signature=signature, fingerprint=plan.fingerprint,
                        torch_version=torch.__version__)  # cheap checks first: no tracing

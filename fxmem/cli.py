@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import math
 import os
 import sys
 from typing import Any, Callable, Iterator, Sequence
@@ -27,6 +28,8 @@ examples:
   fxmem-plan gpt-small --budget-gb 2 --max-batch    largest batch that fits at <= 10% predicted overhead
   fxmem-plan gpt-small --batch-size 64 --check gpt.plan.json
                                                     does a saved plan still apply to this model/shape/torch?
+  fxmem-plan gpt-tiny --budget-gb 0.003 --stages 2 --microbatches 4 --out pipe.plan.json
+                                                    2 pipeline stages under 0.003 GiB each (inputs: one microbatch)
   fxmem-plan mypkg.models:make --budget-gb 10       your factory: make(batch_size=N, seq_len=L) or make()
                                                     returning (model, example_inputs)
 
@@ -34,7 +37,9 @@ Then, in the training script:
   model = fxmem.optimize(model, plan=fxmem.Plan.load("gpt.plan.json"))
 
 The budget bounds one training step (forward, loss, backward): parameters, gradients, saved
-activations and temporaries, in GiB (2**30 bytes). Exit status: 0 on success, 2 on any error.
+activations and temporaries, in GiB (2**30 bytes). The plan table lists the modules that keep or
+recompute bytes (--all: every module) with a totals row and a legend; docs/cli.md reads it line by
+line. Exit status: 0 on success, 2 on any error (one line on stderr).
 """
 DTYPES = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
 
@@ -75,6 +80,8 @@ def _parser() -> argparse.ArgumentParser:
                    "layers, else cpsat), cpsat, exact, layered or greedy")
     p.add_argument("--time-limit", type=float, default=10.0, help="solver time limit, seconds (default 10)")
     p.add_argument("--by", choices=("module", "op"), default="module", help="group the plan table by")
+    p.add_argument("--all", action="store_true", help="list every module (or op) in the plan table, also "
+                   "those that keep and recompute nothing")
     p.add_argument("--out", help="write the plan JSON here")
     p.add_argument("--plot", help="write a PNG of live memory over the step (eager vs plan) here")
     p.add_argument("--estimate", action="store_true", help="print the memory breakdown of an eager step "
@@ -132,6 +139,7 @@ def model_factory(spec: str, seq_len: int | None = None) -> Callable[[int | None
             raise CliError(f"unknown model {spec!r}. Presets: {', '.join(models.list_models())}; "
                            "or give package.module:factory")
         overrides = _zoo_overrides(spec, seq_len)
+        _check_host_memory(spec, overrides, seq_len)
         model = models.from_name(spec, **overrides)
         return lambda batch: (model, models.example_inputs(spec, batch, **overrides))
     factory = _factory_fn(spec)
@@ -155,6 +163,47 @@ def model_factory(spec: str, seq_len: int | None = None) -> Callable[[int | None
     return make
 
 
+def available_memory_bytes() -> int | None:
+    """Memory this process may still take: MemAvailable, or the cgroup's limit less its use if lower."""
+    found = []
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open("/proc/meminfo") as f:
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    with contextlib.suppress(OSError, ValueError):
+        with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
+            limit = f.read().strip()
+            if limit != "max":
+                found.append(int(limit) - int(g.read()))
+    return min(found) if found else None
+
+
+def _check_host_memory(spec: str, overrides: dict[str, int], seq_len: int | None) -> None:
+    """Planning runs on fake tensors, but the model is built for real: its parameters and buffers (a
+    causal mask grows with the square of --seq-len), the buffers twice while the graph is captured.
+    Counted on the meta device first; more than the machine has left is refused before building."""
+    import torch
+
+    from fxmem import models
+    from fxmem.errors import fmt_bytes
+
+    with torch.device("meta"):
+        model = models.from_name(spec, **overrides)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffers = {name: b.numel() * b.element_size() for name, b in model.named_buffers()}
+    need = params + 2 * sum(buffers.values())
+    available = available_memory_bytes()
+    if available is None or need <= available:
+        return
+    what = f"{spec} at --seq-len {seq_len}" if seq_len is not None else spec
+    largest = max(buffers, key=buffers.__getitem__, default=None)
+    detail = (f"buffers {fmt_bytes(sum(buffers.values()))}, held twice while capturing; the largest, {largest}, "
+              f"is {fmt_bytes(buffers[largest])}") if buffers else ""
+    raise CliError(f"building {what} for planning needs about {fmt_bytes(need)} of host memory (parameters "
+                   f"{fmt_bytes(params)}" + (f", {detail}" if detail else "") + f"), more than the "
+                   f"{fmt_bytes(available)} available; use a smaller " + ("--seq-len" if seq_len else "model")
+                   + " or a machine with more memory")
+
+
 def load_model(spec: str, batch_size: int | None, seq_len: int | None = None) -> tuple[Any, tuple]:
     return model_factory(spec, seq_len)(batch_size)
 
@@ -173,6 +222,12 @@ def precision(dtype: str, model: Any) -> Iterator[None]:
 
 
 # ---- commands --------------------------------------------------------------------------------
+def _check_budget(budget_gb: float) -> None:
+    if not math.isfinite(budget_gb) or budget_gb <= 0:
+        raise CliError(f"--budget-gb must be a positive, finite number of GiB (2**30 bytes), got {budget_gb}; "
+                       "--estimate shows the memory of a step with nothing recomputed")
+
+
 def _plan_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"device": args.target, "solver": args.solver, "time_limit_s": args.time_limit}
     extra = {"offload": True if args.offload else None, "num_stages": args.stages, "schedule": args.schedule,
@@ -197,8 +252,12 @@ def _call_plan(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 def infeasible_message(exc: Any, what: str, offload: bool = False) -> str:
+    """One line: the least feasible --budget-gb and its breakdown; --offload suggested unless `offload`
+    (given already, or not available: pipeline stages)."""
     from fxmem.errors import fmt_bytes, gb_at_least
 
+    if exc.min_budget_bytes <= exc.budget_bytes:  # not a minimum below this budget: the planner's own words
+        return f"{exc} ({what})"
     parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in exc.breakdown.items())
     return (f"budget {fmt_bytes(exc.budget_bytes)} is below the minimum feasible budget "
             f"{fmt_bytes(exc.min_budget_bytes)} for {what}" + (f" ({parts})" if parts else "")
@@ -229,10 +288,13 @@ def _check(args: argparse.Namespace, model: Any, inputs: tuple) -> None:
 
 
 def _write(args: argparse.Namespace, plan: Any) -> None:
-    print(plan.table(by=args.by))
+    print(plan.table(by=args.by, all_rows=args.all))
     if args.out:
         plan.save(args.out)
-        print(f"\nplan written to {args.out}; use it with fxmem.optimize(model, plan=fxmem.Plan.load({args.out!r}))")
+        load = f"fxmem.Plan.load({args.out!r})"
+        use = (f"fxmem.pipeline_stage(model, {load}, stage_index=rank, device=...) on each rank" if plan.pipeline
+               else f"fxmem.optimize(model, plan={load})")
+        print(f"\nplan written to {args.out}; use it with {use}")
     if args.plot:
         from fxmem.plot import plot_timeline
 
@@ -243,10 +305,12 @@ def _write(args: argparse.Namespace, plan: Any) -> None:
 def run(args: argparse.Namespace) -> None:
     import fxmem
     from fxmem.progress import Progress
-    from fxmem.engine import signature_of
 
+    if args.budget_gb is not None:
+        _check_budget(args.budget_gb)
     make = model_factory(args.model, args.seq_len)
     model, inputs = make(args.batch_size)
+    from fxmem.engine import signature_of  # after the model is built: a model too big is refused sooner
     with precision(args.dtype, model):
         what = f"{args.model} {signature_of(model, inputs, {})}"
         if args.estimate:
@@ -275,7 +339,8 @@ def run(args: argparse.Namespace) -> None:
             try:
                 plan = _call_plan(fxmem.plan, model, inputs, args.budget_gb, **kwargs)
             except fxmem.InfeasibleBudgetError as exc:
-                raise CliError(infeasible_message(exc, what, offload=bool(kwargs.get("offload")))) from None
+                no_offload = bool(kwargs.get("offload")) or args.stages is not None
+                raise CliError(infeasible_message(exc, what, offload=no_offload)) from None
         _write(args, plan)
 
 

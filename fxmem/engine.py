@@ -4,7 +4,8 @@ runs planned steps.
 
 Reads the model's parameters and buffers at every call (training the result trains the model);
 BatchNorm running statistics are written back once per step by AOTAutograd's input-mutation
-epilogue. Compiled steps are cached per input signature (shapes, dtypes, mode). Writes nothing to disk.
+epilogue. Compiled steps are cached per input signature (shapes, dtypes, mode). Writes nothing to disk;
+a progress line on stderr while the first call of a signature plans on a terminal.
 """
 from __future__ import annotations
 
@@ -17,11 +18,14 @@ import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 from functorch.compile import aot_function
 from torch._dynamo.backends.debugging import boxed_nop
+from torch._dynamo.eval_frame import _set_in_optimized_module
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxmem.capture import capture, flat_graph_inputs, structure_outputs
 from fxmem.plan import Plan
 from fxmem.planner import Planner, PlanRequest
+from fxmem.progress import planning
+from fxmem.report import short_signature
 from fxmem.wrapper import ModelWrapper
 
 log = logging.getLogger("fxmem")
@@ -59,8 +63,11 @@ class CompiledStep:
                                      num_params_buffers=len(self.state_names) + len(self.constants))
 
     def _flat_forward(self, state: dict[str, torch.Tensor], *flat_inputs: Any) -> list[torch.Tensor]:
-        out = torch.func.functional_call(self.runner, {f"graph_module.{k}": v for k, v in state.items()},
-                                         flat_inputs)
+        # Runs while AOTAutograd traces: module hooks see traced stand-ins for the parameters, so meters
+        # built on ModTracker (MemTracker) step aside, as they do for torch.compile's modules.
+        with _set_in_optimized_module():
+            out = torch.func.functional_call(self.runner, {f"graph_module.{k}": v for k, v in state.items()},
+                                             flat_inputs)
         leaves, self.out_spec = pytree.tree_flatten(out)
         self.out_consts = [None if isinstance(x, torch.Tensor) else x for x in leaves]
         return [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -143,8 +150,11 @@ class OptimizedModule(ModelWrapper):
         if step is None:
             request = self._make_request(args, kwargs)
             log.info("fxmem: planning %s %s", request.model, request.signature)
-            step = CompiledStep(model, capture(model, args, kwargs), Planner(request))
+            with planning(f"planning {request.model} {short_signature(request.signature)}", request.time_limit_s):
+                step = CompiledStep(model, capture(model, args, kwargs), Planner(request))
+                out = step(dict(model_state(model)), args, kwargs)  # the first call traces and plans
             self._steps[key] = step
+            return out
         return step(dict(model_state(model)), args, kwargs)
 
 

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import torch
 from tabulate import tabulate
 
+from fxmem.capture import example_args
 from fxmem.engine import plan_step, signature_of
 from fxmem.errors import fmt_bytes
 from fxmem.optimizer_state import state_bytes, unique_bytes
@@ -69,11 +70,11 @@ def estimate(model: torch.nn.Module, example_inputs: Sequence[Any] = (),
              example_kwargs: dict[str, Any] | None = None) -> Estimate:
     """The memory breakdown of one eager training step of `model` on `example_inputs`, from fake
     tensors: nothing runs. Under `torch.autocast` the activations have autocast's dtypes."""
-    args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+    args, kwargs = example_args(example_inputs), dict(example_kwargs or {})
     eager = plan_step(model, args, kwargs, PlanRequest(model=type(model).__qualname__,
                                                        signature=signature_of(model, args, kwargs)))
     params = [p for p in model.parameters()]
-    leaves = torch.utils._pytree.tree_leaves((tuple(example_inputs), example_kwargs or {}))
+    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
     by_module: dict[str, int] = {}
     for row in eager.nodes:
         if row.kept_on_device and row.bytes:

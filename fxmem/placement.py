@@ -29,6 +29,32 @@ from fxmem.wrapper import ModelWrapper
 _CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
 
 
+def check_devices(devices: Sequence[str]) -> list[str]:
+    """The devices, if this torch build and machine have them all; otherwise a ValueError naming what is missing."""
+    if not devices:
+        raise ValueError("devices= needs at least one device, e.g. ['cuda:0', 'cuda:1']")
+    for name in devices:
+        try:
+            device = torch.device(name)
+        except RuntimeError:
+            raise ValueError(f"devices={list(devices)}: {name!r} is not a device name (e.g. 'cuda:0', 'cpu')") from None
+        if device.type in ("cpu", "meta"):
+            continue
+        backend = getattr(torch, device.type, None)
+        count = backend.device_count() if backend is not None and backend.is_available() else 0
+        if device.type == "cuda" and torch.version.cuda is None and torch.version.hip is None:
+            why = f"this torch ({torch.__version__}) is built without CUDA; install a CUDA build of torch"
+        elif count == 0:
+            why = f"torch sees no {device.type} device on this machine"
+        elif (device.index or 0) >= count:
+            why = f"{name} does not exist: torch sees {count} {device.type} device{'s' if count > 1 else ''}"
+        else:
+            continue
+        raise ValueError(f"devices={list(devices)}: {why}. Place on devices that are present (to try a placement "
+                         "without them, devices=['cpu', 'cpu'])")
+    return list(devices)
+
+
 def unit_of(model: torch.nn.Module, path: str) -> str:
     """The placement unit a module path belongs to: its top-level module, or the item of a
     top-level container ("blocks.3" for "blocks.3.attn.c_attn"); "" for the root."""

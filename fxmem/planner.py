@@ -212,8 +212,9 @@ class Planner:
             if solution.status == "infeasible":
                 break
             candidate = self._candidate(joint, lowered, solution.recompute, solution.offloaded)
-            log.info("%s: %s in %.1f s, simulated peak %s for budget %s", solution.solver, solution.status,
-                     solution.solve_time_s, fmt_bytes(candidate.timeline.peak), fmt_bytes(budget))
+            log.info("%s: %s in %.1f s, simulated peak %s, budget %s less a %s margin", solution.solver,
+                     solution.status, solution.solve_time_s, fmt_bytes(candidate.timeline.peak),
+                     fmt_bytes(budget + margin), fmt_bytes(margin))
             if candidate.timeline.peak <= budget:
                 best = (candidate, solution)
                 break

@@ -1,10 +1,11 @@
-"""Plan tables: per module path (or per op) what is kept, recomputed and offloaded, a summary,
-and for multi-device plans where each region runs.
+"""Plan tables: per module path (or per op) what is kept, recomputed and offloaded, with a totals row
+and a legend; a summary; for pipeline plans the stages, for multi-device plans the devices.
 
-Reads a `Plan` (its `nodes` rows and figures); returns text made with tabulate. Writes nothing.
+Reads a `Plan` (its `nodes` rows, figures and sections); returns text made with tabulate. Writes nothing.
 """
 from __future__ import annotations
 
+import textwrap
 from collections import OrderedDict
 from typing import Any, Iterable
 
@@ -12,73 +13,125 @@ from tabulate import tabulate
 
 from fxmem.errors import fmt_bytes
 
-MIB = 2**20
+MIB, KIB = 2**20, 2**10
+WIDTH = 110  # legend lines wrap here
+NO_BOUND_GAP = 0.9999  # a solver that proved no lower bound reports a gap of 100%
 
 
 def _group(rows: Iterable[Any], by: str) -> "OrderedDict[str, list[Any]]":
+    """Rows per module path, or per op: an output of a multi-output op (a getitem, which the graph places
+    right after its op) counts for that op."""
     groups: OrderedDict[str, list[Any]] = OrderedDict()
+    producer = "getitem"
     for row in rows:
-        key = getattr(row, by) or "(top level)" if by == "module" else getattr(row, by)
+        if by == "module":
+            key = row.module or "(top level)"
+        else:
+            producer = row.op if row.op != "getitem" else producer
+            key = producer
         groups.setdefault(key, []).append(row)
     return groups
 
 
 def _decision(rows: list[Any]) -> str:
+    """keep / recompute / "recompute k of n" over the group's values that hold storage."""
     heavy = [r for r in rows if r.bytes > 0]
     recomputed = sum(r.decision == "recompute" for r in heavy)
     offloaded = sum(r.decision == "offload" for r in heavy)
     if offloaded:
-        return f"offload {offloaded}/{len(heavy)}" + (f", recompute {recomputed}" if recomputed else "")
+        return f"offload {offloaded} of {len(heavy)}" + (f", recompute {recomputed}" if recomputed else "")
     if not heavy or recomputed == 0:
         return "keep"
     if recomputed == len(heavy):
         return "recompute"
-    return f"recompute {recomputed}/{len(heavy)}"
+    return f"recompute {recomputed} of {len(heavy)}"
 
 
-def plan_rows(plan: Any, by: str = "module") -> list[list[Any]]:
-    rows = []
-    for key, group in _group(plan.nodes, by).items():
-        kept = sum(r.bytes for r in group if r.decision in ("save", "offload"))
-        recomputed = sum(r.bytes for r in group if r.decision == "recompute")
-        flops = sum(r.flops for r in group if r.decision == "recompute")
+def _units(nbytes: int) -> tuple[str, int]:
+    return ("MiB", MIB) if nbytes >= MIB else ("KiB", KIB)
+
+
+def _flop_unit(flops: float) -> tuple[str, float]:
+    return ("GFLOP", 1e9) if flops >= 1e10 else ("MFLOP", 1e6)
+
+
+def _totals(group: list[Any]) -> tuple[int, int, int]:
+    kept = sum(r.bytes for r in group if r.decision in ("save", "offload"))
+    recomputed = sum(r.bytes for r in group if r.decision == "recompute")
+    return kept, recomputed, sum(r.flops for r in group if r.decision == "recompute")
+
+
+def plan_rows(plan: Any, by: str = "module", all_rows: bool = False) -> tuple[list[list[Any]], list[str], int]:
+    """(rows with a totals row last, headers, groups not shown). Without `all_rows` only the groups that
+    keep or recompute bytes are listed. Grouped by module, a row also names the module's ops."""
+    groups = _group(plan.nodes, by)
+    kept_all, rec_all, flops_all = _totals(list(plan.nodes))
+    unit, scale = _units(max(kept_all, rec_all))
+    funit, fscale = _flop_unit(flops_all)
+
+    def row(label: str, ops: str, kept: int, recomputed: int, flops: int, decision: str) -> list[Any]:
+        return [label] + ([ops] if by == "module" else []) + [kept / scale, recomputed / scale,
+                                                              f"{flops / fscale:,.2f}", decision]
+
+    rows, hidden = [], 0
+    for key, group in groups.items():
+        kept, recomputed, flops = _totals(group)
+        if not all_rows and kept == 0 and recomputed == 0:
+            hidden += 1
+            continue
         ops = sorted({r.op for r in group if r.op != "getitem"}) or ["getitem"]
         label = ", ".join(ops[:4]) + (f" +{len(ops) - 4}" if len(ops) > 4 else "")
-        rows.append([key, label, round(kept / MIB, 2), round(recomputed / MIB, 2),
-                     f"{flops / 1e6:,.1f}", _decision(group)])
-    return rows
+        rows.append(row(key, label, kept, recomputed, flops, _decision(group)))
+    values = [r for r in plan.nodes if r.bytes > 0]
+    n_rec = sum(r.decision == "recompute" for r in values)
+    rows.append(row(f"total ({len(groups)} {by}s)", "", kept_all, rec_all, flops_all,
+                    f"recompute {n_rec} of {len(values)}" if n_rec else "keep"))
+    headers = row(by, "ops", 0, 0, 0, "decision")
+    headers[-4:-1] = [f"kept ({unit})", f"recomputed ({unit})", f"recompute cost ({funit})"]
+    return rows, headers, hidden
 
 
-def summary_rows(plan: Any) -> list[list[str]]:
-    rows = [
-        ["eager peak (no recompute)", fmt_bytes(plan.baseline_peak_bytes)],
-        ["predicted peak", fmt_bytes(plan.predicted_peak_bytes)],
-        ["budget", fmt_bytes(plan.budget_bytes)],
-    ]
+def _solver_text(plan: Any) -> str:
+    if plan.solver == "none":
+        return "not run: the eager step fits the budget"
+    took = f"{plan.solve_time_s:.2f} s"
+    if plan.solver_status == "optimal":
+        return f"{plan.solver}: optimal (proven), {took}"
+    if plan.solver_gap >= NO_BOUND_GAP:
+        return f"{plan.solver}: {plan.solver_status}, not proven optimal (no lower bound, gap unknown), {took}"
+    return f"{plan.solver}: {plan.solver_status}, gap {plan.solver_gap * 100:.2f}%, {took}"
+
+
+def _step_rows(plan: Any) -> list[list[str]]:
+    """Peak, budget, what every plan holds, and the cost of the plan."""
+    rows = [["eager peak (no recompute)", fmt_bytes(plan.baseline_peak_bytes)],
+            ["predicted peak", fmt_bytes(plan.predicted_peak_bytes)]]
+    rows += [[f"  of which {name}", fmt_bytes(nbytes)] for name, nbytes in plan.breakdown.items()]
+    rows.append(["budget", fmt_bytes(plan.budget_bytes)])
     if plan.min_budget_bytes is not None:
         rows.append(["minimum feasible budget", fmt_bytes(plan.min_budget_bytes)])
-    for name, nbytes in plan.breakdown.items():
-        rows.append([f"  of which {name}", fmt_bytes(nbytes)])
     step_overhead = (plan.predicted_step_s / plan.baseline_step_s - 1) * 100 if plan.baseline_step_s else 0.0
+    values = [r for r in plan.nodes if r.bytes > 0]
+    recomputed = sum(r.decision == "recompute" for r in values)
     rows += [
-        ["activation memory removed", f"{plan.activation_reduction_pct:.1f}%"],
+        ["activation memory removed", f"{plan.activation_reduction_pct:.1f}% (of the eager peak above parameters, "
+                                      "inputs and gradients)"],
+        ["recomputed values", f"{recomputed} of the {len(values)} values backward needs "
+                              f"({len(plan.recompute)} ops run again)"],
         ["extra FLOPs", f"{plan.extra_flops / 1e9:,.3f} GFLOP ({plan.extra_flops_pct:.2f}% of the step)"],
         ["predicted step time", f"{plan.predicted_step_s * 1e3:,.2f} ms on {plan.device} "
                                 f"(eager {plan.baseline_step_s * 1e3:,.2f} ms, +{step_overhead:.1f}%)"
                                 + (f"; {plan.timing}" if plan.timing else "")],
-        ["recomputed values", str(len(plan.recompute))],
     ]
     if plan.offload:
         rows += [["offloaded to host", f"{len(plan.offload)} values, {fmt_bytes(plan.offloaded_bytes)} over "
                                        f"{plan.host_link or 'the host link'}"],
-                 ["exposed transfer time", f"{plan.exposed_transfer_s * 1e3:,.3f} ms (copy waits and launches; in the step time)"]]
+                 ["exposed transfer time", f"{plan.exposed_transfer_s * 1e3:,.3f} ms (copy waits and launches; "
+                                           "in the step time)"]]
     if plan.graph_device == "cpu" and plan.device not in ("cpu", ""):
         rows.append(["graph", f"traced on CPU for {plan.device}: where CUDA runs other kernels (attention backends, "
                               "autocast casts) the GPU's graph differs; fxmem.check_plan on the GPU says so"])
-    rows += [
-        ["solver", f"{plan.solver}: {plan.solver_status}, gap {plan.solver_gap * 100:.2f}%, "
-                   f"{plan.solve_time_s:.2f} s"],
-    ]
+    rows.append(["solver", _solver_text(plan)])
     if plan.pool is not None:
         for graph, stats in (("forward", plan.pool.forward), ("backward", plan.pool.backward)):
             if stats is not None:
@@ -89,8 +142,120 @@ def summary_rows(plan: Any) -> list[list[str]]:
     return rows
 
 
+def summary_rows(plan: Any) -> list[list[str]]:
+    """The summary under the table: the step's figures, or the stages' or devices' for those plans."""
+    if plan.pipeline:
+        return _pipeline_rows(plan)
+    if plan.devices:
+        return _placement_rows(plan)
+    return _step_rows(plan)
+
+
+def _legend(plan: Any, by: str) -> str:
+    lines = [f"kept: bytes saved for backward, per {by}; recomputed: bytes backward recomputes instead of keeping "
+             "them; recompute cost: the forward work done again",
+             "recompute k of n: k of the n values backward needs from this "
+             f"{by} are recomputed, the others kept (views cost nothing and are not counted)"]
+    if plan.solver not in ("none",) and plan.solver_status != "optimal":
+        lines.append("gap: how far the plan's recompute cost may be above the least possible, as a share of it "
+                     "(0% = proven optimal)")
+    return "\n".join(textwrap.fill(line, WIDTH, subsequent_indent="  ") for line in lines)
+
+
+def short_signature(signature: str, limit: int = 6) -> str:
+    """`(a, b, c, ... 30 inputs) eval` for an input signature of more than `limit` inputs."""
+    inner, _, rest = signature[1:].partition(")") if signature.startswith("(") else (signature, "", "")
+    parts = inner.split(", ") if inner else []
+    if len(parts) <= limit:
+        return signature
+    return f"({', '.join(parts[:3])}, ... {len(parts)} inputs){rest}"
+
+
+def format_plan(plan: Any, by: str = "module", all_rows: bool = False) -> str:
+    if by not in ("module", "op"):
+        raise ValueError(f"group plan rows by 'module' or 'op', not {by!r}")
+    title = f"fxmem plan for {plan.model} {short_signature(plan.signature)}"
+    summary = tabulate(summary_rows(plan), tablefmt="simple")
+    sections = [title]
+    if plan.pipeline:
+        sections.append(format_stages(plan))
+    elif plan.devices:
+        sections.append(format_devices(plan))
+    if all_rows or not (plan.pipeline or plan.devices):
+        rows, headers, hidden = plan_rows(plan, by, all_rows)
+        body = tabulate(rows, headers=headers, tablefmt="simple", floatfmt=",.2f")
+        lines = body.splitlines()
+        lines.insert(len(lines) - 1, lines[1])  # a rule above the totals row
+        note = (f"\n({hidden} {by}s that keep and recompute nothing are not shown; --all or "
+                "table(all_rows=True) lists them)") if hidden else ""
+        sections.append("\n".join(lines) + note + "\n" + _legend(plan, by))
+    sections.append(summary)
+    return "\n\n".join(sections)
+
+
+# ---- pipeline stages and devices -------------------------------------------------------------
+def _layers(modules: list[str], limit: int = 4) -> str:
+    if len(modules) <= limit:
+        return ", ".join(modules)
+    return f"{modules[0]} .. {modules[-1]} ({len(modules)} units)"
+
+
+def _stage_recompute(stage: Any) -> tuple[int, int]:
+    """(values recomputed, extra FLOPs) of a stage's own recompute plan."""
+    if not stage.plan:
+        return 0, 0
+    return len(stage.plan.get("recompute", ())), int(stage.plan.get("extra_flops", 0))
+
+
+def stage_rows(plan: Any) -> list[list[Any]]:
+    stages = plan.pipeline.stages if plan.pipeline else ()
+    rows = []
+    for s in stages:
+        count, _ = _stage_recompute(s)
+        rows.append([s.index, _layers(list(s.modules)), fmt_bytes(s.param_bytes),
+                     ("~" if s.peak_from == "stage model" else "") + fmt_bytes(s.predicted_peak_bytes),
+                     f"{s.time_s * 1e3:,.3f}", s.in_flight,
+                     f"recompute {count} values" if s.recompute else "keep all"])
+    return rows
+
+
+def format_stages(plan: Any) -> str:
+    """Pipeline stages (plans made with num_stages): units, parameters, peak memory, time; '' otherwise."""
+    rows = stage_rows(plan)
+    if not rows:
+        return ""
+    info = plan.pipeline
+    headers = ["stage", "units (module paths)", "parameters", "peak memory", "time (ms)", "microbatches in flight",
+               "activations"]
+    body = tabulate(rows, headers=headers, tablefmt="simple")
+    notes = [f"pipeline: {info.num_stages} stages, {info.schedule}, {info.n_microbatches} microbatches "
+             "(example inputs = one microbatch)",
+             "units: top-level modules and the items of a top-level ModuleList/Sequential; '(top-level ops: ...)' "
+             "is a run of operations in the model's own forward",
+             "peak memory: one stage's step plus what its other microbatches in flight keep, plus optimizer state"]
+    if any(s.peak_from == "stage model" for s in info.stages):
+        notes.append("~ the stage model's estimate (no budget given, so no stage was checked with fxmem's planner)")
+    return f"{body}\n" + "\n".join(textwrap.fill(line, WIDTH, subsequent_indent="  ") for line in notes)
+
+
+def _pipeline_rows(plan: Any) -> list[list[str]]:
+    info = plan.pipeline
+    largest = max(info.stages, key=lambda s: s.predicted_peak_bytes)
+    recomputing = [s for s in info.stages if s.recompute]
+    counts = [_stage_recompute(s) for s in recomputing]
+    rows = [["budget per stage", fmt_bytes(info.budget_bytes) if info.budget_bytes is not None else "none"],
+            ["largest stage peak", f"{fmt_bytes(largest.predicted_peak_bytes)} (stage {largest.index})"],
+            ["whole model on one device", f"{fmt_bytes(plan.baseline_peak_bytes)} (eager, one microbatch)"],
+            ["recomputed values", (", ".join(f"{n} in stage {s.index}" for s, (n, _) in zip(recomputing, counts))
+                                   + f" ({sum(f for _, f in counts) / 1e9:,.3f} GFLOP extra per microbatch)")
+             if recomputing else "none: every stage fits keeping its activations"],
+            ["slowest stage", f"{info.slowest_s * 1e3:,.3f} ms (lower bound {info.lower_bound_s * 1e3:,.3f} ms, "
+                              f"balance {info.balance:.3f})"]]
+    return rows
+
+
 def device_rows(plan: Any) -> list[list[Any]]:
-    """Per device of a multi-device plan: its modules, parameters, predicted peak and time."""
+    """Per device of a multi-device plan: its modules, parameters, memory and time."""
     rows = []
     for entry in plan.devices:
         units = entry.modules
@@ -101,45 +266,20 @@ def device_rows(plan: Any) -> list[list[Any]]:
     return rows
 
 
-def format_plan(plan: Any, by: str = "module") -> str:
-    if by not in ("module", "op"):
-        raise ValueError(f"group plan rows by 'module' or 'op', not {by!r}")
-    headers = [by, "ops", "kept MiB", "recomputed MiB", "recompute MFLOP", "decision"]
-    body = tabulate(plan_rows(plan, by), headers=headers, tablefmt="simple", floatfmt=".2f")
-    summary = tabulate(summary_rows(plan), tablefmt="simple")
-    title = f"fxmem plan for {plan.model} {plan.signature}"
-    stages = format_stages(plan)
-    tail = f"\n\n{stages}" if stages else ""
-    if plan.devices:
-        placed = tabulate(device_rows(plan), headers=["device", "modules", "parameters", "predicted peak", "budget",
-                                                      "step ms"], tablefmt="simple")
-        return f"{title}\n\n{body}\n\n{placed}\n\n{summary}" + tail
-    return f"{title}\n\n{body}\n\n{summary}" + tail
+def format_devices(plan: Any) -> str:
+    body = tabulate(device_rows(plan), headers=["device", "modules", "parameters", "predicted peak", "budget",
+                                                "step (ms)"], tablefmt="simple")
+    return (f"{body}\npredicted peak: the device's parameters, their gradients and the activations its modules "
+            "save for backward")
 
 
-def _layers(modules: list[str], limit: int = 4) -> str:
-    if len(modules) <= limit:
-        return ", ".join(modules)
-    return f"{modules[0]} .. {modules[-1]} ({len(modules)} units)"
-
-
-def stage_rows(plan: Any) -> list[list[Any]]:
-    stages = plan.pipeline.stages if plan.pipeline else ()
-    return [[s.index, _layers(list(s.modules)), fmt_bytes(s.param_bytes),
-             ("~" if s.peak_from == "stage model" else "") + fmt_bytes(s.predicted_peak_bytes),
-             f"{s.time_s * 1e3:,.3f}", s.in_flight, "recompute" if s.recompute else "keep"] for s in stages]
-
-
-def format_stages(plan: Any) -> str:
-    """Pipeline stages (plans made with num_stages): layers, parameters, peak memory, time; '' otherwise."""
-    rows = stage_rows(plan)
-    if not rows:
-        return ""
-    info = plan.pipeline
-    headers = ["stage", "layers (module paths)", "parameters", "peak memory", "time ms", "in flight", "activations"]
-    body = tabulate(rows, headers=headers, tablefmt="simple")
-    return (f"pipeline: {info.num_stages} stages, {info.schedule}, {info.n_microbatches} microbatches; "
-            f"slowest stage {info.slowest_s * 1e3:,.3f} ms, lower bound {info.lower_bound_s * 1e3:,.3f} ms, "
-            f"balance {info.balance:.3f}\n\n{body}"
-            + ("\n\n~ the stage model's estimate (no budget given, so no stage was checked with fxmem's planner)"
-               if any(s.peak_from == "stage model" for s in info.stages) else ""))
+def _placement_rows(plan: Any) -> list[list[str]]:
+    largest = max(plan.devices, key=lambda e: e.peak_bytes)
+    budgets = {e.budget_bytes for e in plan.devices}
+    budget = fmt_bytes(budgets.pop()) if len(budgets) == 1 and None not in budgets else \
+        ", ".join(fmt_bytes(e.budget_bytes) if e.budget_bytes is not None else "none" for e in plan.devices)
+    return [["budget per device", budget],
+            ["largest device peak", f"{fmt_bytes(largest.peak_bytes)} ({largest.device})"],
+            ["whole model on one device", f"{fmt_bytes(plan.baseline_peak_bytes)} (eager)"],
+            ["slowest device", f"{max(e.seconds for e in plan.devices) * 1e3:,.2f} ms; the devices run one after "
+                               f"another: {sum(e.seconds for e in plan.devices) * 1e3:,.2f} ms per step"]]

@@ -36,8 +36,6 @@ presets: dict[str, GPTConfig] = {
     "gpt2": GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768),
 }
 
-batch_sizes: dict[str, int] = {"gpt-tiny": 8, "gpt-small": 64, "gpt2": 12}
-
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):

@@ -25,8 +25,6 @@ presets: dict[str, MLPConfig] = {
     "mlp-small": MLPConfig(in_features=784, hidden=(1024, 1024, 1024), num_classes=10, dropout=0.1),
 }
 
-batch_sizes: dict[str, int] = {"mlp-tiny": 16, "mlp-small": 128}
-
 
 class HiddenLayer(nn.Sequential):
     """Linear -> GELU -> Dropout: the repeated block (what per-block checkpointing wraps)."""

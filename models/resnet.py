@@ -34,8 +34,6 @@ presets: dict[str, ResNetConfig] = {
     "resnet18": ResNetConfig(),
 }
 
-batch_sizes: dict[str, int] = {"resnet-tiny": 8, "resnet18": 64}
-
 
 def conv_bn(c_in: int, c_out: int, kernel_size: int, stride: int = 1) -> nn.Sequential:
     conv = nn.Conv2d(c_in, c_out, kernel_size, stride=stride, padding=kernel_size // 2, bias=False)

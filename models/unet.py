@@ -41,8 +41,6 @@ presets: dict[str, UNetConfig] = {
     "unet-small": UNetConfig(),
 }
 
-batch_sizes: dict[str, int] = {"unet-tiny": 4, "unet-small": 32}
-
 
 class TimestepEmbedding(nn.Module):
     def __init__(self, dim: int, out_dim: int):

@@ -84,12 +84,18 @@ def tag_units(gm: torch.fx.GraphModule, model: torch.nn.Module) -> list[Unit]:
                 labels[-1] += f" + {key}"
             continue
         members.append(list(nodes))
-        labels.append(key or f"({nodes[0].name})")
+        labels.append(key or _top_level_label(nodes))
     for u, nodes in enumerate(members):
         for node in nodes:
             node.meta.setdefault("fxmem", {})["unit"] = u
         units.append(Unit(labels[u], tuple(n.name for n in nodes)))
     return units
+
+
+def _top_level_label(nodes: list[torch.fx.Node]) -> str:
+    """A run of ops in the model's own forward, outside any submodule: '(top-level ops: size, arange +2)'."""
+    names = [n.name for n in nodes if not n.name.startswith(("getattr", "getitem"))] or [nodes[0].name]
+    return f"(top-level ops: {', '.join(names[:2])}" + (f" +{len(names) - 2})" if len(names) > 2 else ")")
 
 
 def _use_unit(user: torch.fx.Node, index: dict, n: int) -> int:

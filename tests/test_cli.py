@@ -3,6 +3,8 @@ files), main(argv) in-process for the rest (the same code, without starting Pyth
 from __future__ import annotations
 
 import copy
+import json
+import re
 import struct
 import subprocess
 import sys
@@ -12,8 +14,9 @@ import pytest
 
 import fxmem
 from fxmem import models
+from fxmem import cli as cli_module
 from fxmem.cli import main
-from fxmem.errors import gb_at_least
+from fxmem.errors import fmt_bytes, gb_at_least
 from tests.conftest import assert_trains_like
 
 
@@ -44,6 +47,9 @@ def test_plan_saves_json_and_png_that_optimize_reads(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "predicted peak" in result.stdout and f"plan written to {out}" in result.stdout
     assert result.stderr.startswith("fxmem: planning mlp-tiny (float32[512,32], int64[512])")
+    # the budget the progress lines name is the table's
+    table_budget = next(line.split(None, 1)[1] for line in result.stdout.splitlines() if line.startswith("budget "))
+    assert f", budget {table_budget} less a" in result.stderr
     plan = fxmem.Plan.load(out)
     assert plan.model == "MLP" and plan.budget_bytes == int(0.0007 * 2**30) and plan.recompute
     data = png.read_bytes()
@@ -58,6 +64,57 @@ def test_infeasible_budget_is_one_clear_message():
     message = result.stderr.strip().splitlines()[-1]
     assert message.startswith("fxmem-plan: budget 10.5 KiB is below the minimum feasible budget")
     assert "gradients" in message and "smallest activation set" in message and "--budget-gb 0.000" in message
+
+
+@pytest.mark.parametrize("budget", ["inf", "nan", "0"])
+def test_budget_that_is_not_a_positive_finite_number_is_one_line(budget):
+    result = run("mlp-tiny", "--budget-gb", budget)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == [f"fxmem-plan: --budget-gb must be a positive, finite number of GiB "
+                                          f"(2**30 bytes), got {float(budget)}; --estimate shows the memory of a "
+                                          "step with nothing recomputed"]
+
+
+def test_incomplete_plan_file_is_named_by_check(tmp_path):
+    path = tmp_path / "plan.json"
+    assert main(["mlp-tiny", "--budget-gb", "1", "--quiet", "--out", str(path)]) == 0
+    data = json.loads(path.read_text())
+    del data["budget_bytes"], data["solver"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(fxmem.PlanMismatchError, match="lacks budget_bytes, solver"):
+        fxmem.Plan.load(path)
+    result = run("mlp-tiny", "--check", str(path))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.splitlines() == [f"fxmem-plan: {path} is an incomplete plan file: it lacks budget_bytes, "
+                                          "solver; make the plan again with fxmem.plan(...) or fxmem-plan --out"]
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--list-models"]])
+def test_help_and_list_models_load_no_torch(argv):
+    code = ("import sys\nfrom fxmem.cli import main\ntry:\n    main(%r)\nexcept SystemExit:\n    pass\n"
+            "assert 'torch' not in sys.modules and 'ortools' not in sys.modules, 'torch loaded'\n" % argv)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "gpt-small    batch 64" in result.stdout or "examples:" in result.stdout
+
+
+def test_too_long_sequence_is_refused_with_the_memory_it_needs():
+    """gpt-tiny at 100000 tokens holds a 100000 x 100000 causal mask per layer: counted on the meta device
+    and refused before it is built (the machine is told it has 1 GiB left, whatever it has)."""
+    code = ("import sys, fxmem.cli as cli\ncli.available_memory_bytes = lambda: 2**30\n"
+            "sys.exit(cli.main(['gpt-tiny', '--seq-len', '100000', '--budget-gb', '1']))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    [line] = result.stderr.splitlines()
+    masks = fmt_bytes(2 * 100_000**2)  # two layers' boolean masks
+    assert line.startswith("fxmem-plan: building gpt-tiny at --seq-len 100000 for planning needs about ")
+    assert f"buffers {masks}, held twice while capturing" in line and "blocks.0.attn.future_mask" in line
+    assert "more than the 1.00 GiB available; use a smaller --seq-len" in line
+
+
+def test_available_memory_is_read():
+    available = cli_module.available_memory_bytes()
+    assert available is None or 0 < available < 2**50
 
 
 def test_unknown_model_lists_presets(capsys):
@@ -83,7 +140,7 @@ def test_bad_numbers_are_usage_errors(capsys):
         main(["mlp-tiny", "--budget-gb", "1", "--batch-size", "0"])
     assert info.value.code == 2 and "expected a positive whole number, got '0'" in capsys.readouterr().err
     code, _, err = cli(capsys, "mlp-tiny", "--budget-gb", "-1")
-    assert code == 2 and "budget_gb must be a positive number" in err
+    assert code == 2 and "--budget-gb must be a positive, finite number of GiB" in err
 
 
 def test_list_models(capsys):
@@ -159,12 +216,24 @@ def test_offload_reaches_the_planner(capsys, tmp_path):
 def test_plan_table_and_quiet(capsys):
     code, out, err = cli(capsys, "mlp-tiny", "--budget-gb", "1", "--by", "op", "--quiet")
     assert code == 0 and err == "" and "addmm" in out and "predicted peak" in out
+    code, some, _ = cli(capsys, "gpt-tiny", "--budget-gb", "1", "--quiet")
+    code, every, _ = cli(capsys, "gpt-tiny", "--budget-gb", "1", "--quiet", "--all")
+    assert "blocks.0.attn.c_attn " not in some and "not shown; --all" in some  # keeps and recomputes nothing
+    assert "blocks.0.attn.c_attn " in every and "not shown" not in every
+    assert "total (30 modules)" in some and "total (30 modules)" in every
 
 
 def test_stages_reach_the_planner(capsys, tmp_path):
     path = tmp_path / "plan.json"
-    code, out, err = cli(capsys, "gpt-tiny", "--budget-gb", "0.01", "--stages", "2", "--microbatches", "4",
+    # 3.1 MiB per stage: the first stage (3.4 MiB eager with two microbatches in flight) must recompute
+    code, out, err = cli(capsys, "gpt-tiny", "--budget-gb", "0.003", "--stages", "2", "--microbatches", "4",
                          "--time-limit", "1", "--out", str(path))
     assert code == 0, err
     plan = fxmem.Plan.load(path)
     assert len(plan.pipeline.stages) == 2 and plan.pipeline.balance >= 1.0 and "pipeline: 2 stages" in out
+    first = plan.pipeline.stages[0]
+    assert first.recompute and f"recompute {len(first.plan['recompute'])} values" in out
+    assert re.search(rf"recomputed values +{len(first.plan['recompute'])} in stage 0 ", out)
+    assert "activation memory removed" not in out  # a whole-model figure, not what the stages do
+    assert "(top-level ops: " in out and "(size)" not in out and "(flatten)" not in out
+    assert "fxmem.pipeline_stage(model, fxmem.Plan.load(" in out and "fxmem.optimize(" not in out

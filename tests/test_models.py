@@ -31,11 +31,11 @@ def test_presets_are_the_contract():
     assert set(BIG) <= set(ALL)
 
 
-def test_each_family_gives_every_preset_a_batch_size_and_no_name_twice():
-    families = (gpt, mlp, resnet, unet)
-    assert sum(len(family.presets) for family in families) == len(ALL)
-    for family in families:
-        assert family.presets.keys() == family.batch_sizes.keys()
+def test_each_preset_is_in_its_family_with_a_batch_size_and_no_name_twice():
+    families = {"gpt": gpt, "mlp": mlp, "resnet": resnet, "unet": unet}
+    assert sum(len(family.presets) for family in families.values()) == len(ALL)
+    for name, (family, batch) in models.PRESETS.items():
+        assert name in families[family].presets and batch == models.default_batch_size(name) > 0
 
 
 @pytest.mark.parametrize("name", ALL)

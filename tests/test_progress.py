@@ -48,3 +48,42 @@ def test_terminal_draws_a_spinner_after_the_delay(monkeypatch):
     text = out.getvalue()
     assert "\r\033[K" in text and "solving (joint graph" in text and "[" in text and "fxmem: done in" in text
     assert "fxmem: solving" not in text  # no stage lines on a terminal: the spinner shows them
+
+
+def _plan_mlp():
+    import fxmem
+    from fxmem import models
+
+    return fxmem.plan(models.from_name("mlp-tiny"), models.example_inputs("mlp-tiny"), budget_gb=1.0)
+
+
+def test_python_api_shows_progress_on_a_terminal(monkeypatch):
+    monkeypatch.setattr(progress, "DELAY_S", 0.0)
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    _plan_mlp()
+    text = terminal.getvalue()
+    assert "\r\033[K" in text and "planning MLP (float32[16,32], int64[16])" in text and "fxmem: done in" in text
+
+
+def test_python_api_is_silent_elsewhere(monkeypatch):
+    out = io.StringIO()
+    monkeypatch.setattr("sys.stderr", out)
+    level, handlers = log.level, list(log.handlers)
+    _plan_mlp()
+    assert out.getvalue() == "" and log.level == level and log.handlers == handlers
+    monkeypatch.setattr(progress, "DELAY_S", 0.0)
+    monkeypatch.setenv("FXMEM_PROGRESS", "0")
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    _plan_mlp()
+    assert terminal.getvalue() == ""
+
+
+def test_inside_the_cli_display_the_api_adds_nothing():
+    out = io.StringIO()
+    with Progress("planning m", stream=out, time_limit_s=10):
+        _plan_mlp()
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "fxmem: planning m" and lines[-1].startswith("fxmem: done in")
+    assert sum(line.startswith("fxmem: done in") for line in lines) == 1 and "\r" not in out.getvalue()

@@ -59,16 +59,6 @@ def test_bf16_autocast_halves_matmul_and_activation_bytes():
     assert 0.45 < saved(bf16, everything) / saved(fp32, everything) < 0.75
 
 
-class _Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 2)
-        self.frozen = torch.nn.Linear(2, 2).requires_grad_(False)
-
-    def forward(self, x):
-        return self.frozen(self.b(self.a(x).relu())).sum()
-
-
 def test_table_names_the_largest_modules_and_optimizer():
     model, inputs = models.from_name("mlp-tiny"), models.example_inputs("mlp-tiny")
     est = estimate(model, inputs, torch.optim.AdamW(model.parameters()))

@@ -216,11 +216,27 @@ def pipeline_stage(model: torch.nn.Module, plan: Plan, stage_index: int, device:
     # Static shapes from the plan (one microbatch): PipelineStage then skips its shape inference, which
     # runs the stage on uninitialised tensors (integer ids or targets there would be out of range).
     ins, outs = _stage_io(stage_gm, stage_index > 0)
+    integers = [n.name for n, t in zip(stage_gm.graph.find_nodes(op="placeholder"), ins) if not t.is_floating_point()]
+    if stage_index > 0 and integers and _receives_only_gradients():
+        raise FxmemError(f"stage {stage_index} receives integer tensors ({', '.join(integers)}) from the stage before it, "
+                         f"and this torch ({torch.__version__}) makes every tensor a stage receives require grad, which "
+                         "integer tensors cannot: use torch 2.13 or later, or pass targets to the last stage through "
+                         "the schedule (schedule.step(target=...) with a loss_fn) instead of through the model")
     stage = PipelineStage(module, stage_index, num_stages, torch.device(device), input_args=ins, output_args=outs,
                           group=group)
     stage.fxmem_param_names = names
     stage.fxmem_shared = {name: model.get_parameter(name) for name in plan.pipeline.shared_parameters}
     return stage
+
+
+def _receives_only_gradients() -> bool:
+    """True on torch releases (2.11 and earlier) whose `PipelineStage` calls `requires_grad_(True)` on
+    every buffer it receives into when the schedule runs backward: integer tensors then fail there."""
+    import inspect
+
+    from torch.distributed.pipelining import PipelineStage
+
+    return "r.buffer.requires_grad_(True)" in inspect.getsource(PipelineStage._prepare_forward_infra)
 
 
 def _stage_io(gm: torch.fx.GraphModule, receives: bool) -> tuple[tuple, tuple]:

@@ -83,6 +83,15 @@ def test_stage_budget_is_respected_and_infeasible_is_clear():
     assert all(s.predicted_peak_bytes <= budget for s in fits.pipeline.stages)
 
 
+def test_integer_tensors_between_stages_are_refused_where_torch_cannot_receive_them(monkeypatch):
+    model = gpt()
+    idx, targets = models.example_inputs("gpt-tiny", 2)
+    plan = fxmem.plan(model, (idx, targets), num_stages=2, n_microbatches=1)
+    monkeypatch.setattr(fxmem.pipeline, "_receives_only_gradients", lambda: True)  # as torch 2.11's PipelineStage
+    with pytest.raises(fxmem.FxmemError, match=r"stage 1 receives integer tensors \(.*\).*torch 2.13 or later"):
+        fxmem.pipeline_stage(model, plan, 1, "cpu")
+
+
 # ---- two processes -------------------------------------------------------------------------------
 
 def _free_port() -> int:

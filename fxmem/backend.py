@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from fxmem.budget import budget_bytes
-from fxmem.cost import DeviceSpec
+from fxmem.cost import DeviceSpec, preset_for
 from fxmem.engine import describe_input
 from fxmem.errors import GIB, InfeasibleBudgetError
 from fxmem.plan import Plan
@@ -191,7 +191,8 @@ def fxmem_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], optio
     options: budget_gb (required, GiB per training step, shared by all graphs of one step),
     inner ("inductor" when a C++ compiler is found, else "aot_eager"), time_limit_s (solver, default 10),
     plan_out (write each graph's plan to `<stem>.<k>.json`), verbose (print each plan's table),
-    device (DeviceSpec preset name used for pricing recompute, default "cpu"), solver (default "auto").
+    device (DeviceSpec or preset name used for pricing recompute; default: the preset of the device the
+    graph's tensor inputs live on, e.g. "h100" for a model on an H100), solver (default "auto").
     """
     options = _validate(options)
     budget = budget_bytes(options["budget_gb"])
@@ -205,10 +206,10 @@ def fxmem_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], optio
     frame = _frame_id()
     reserved = ledger.reserved_by_others(frame)
     index = len(ledger.records)
-    device = options.get("device", "cpu")
+    device = options.get("device") or _input_device(example_inputs)
     # when earlier graphs already take the whole budget, plan for 1 byte: the refusal names this graph's minimum
     request = PlanRequest(budget_bytes=max(1, budget - reserved),
-                          device=DeviceSpec.from_name(device) if isinstance(device, str) else device,
+                          device=device if isinstance(device, DeviceSpec) else DeviceSpec.from_name(device),
                           solver=options.get("solver", "auto"), time_limit_s=float(options.get("time_limit_s", 10.0)),
                           model=f"dynamo graph {index}", signature=f"({', '.join(map(describe_input, example_inputs))})")
     record = GraphRecord(index=index, frame=frame, budget_bytes=budget - reserved)
@@ -220,6 +221,14 @@ def fxmem_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], optio
             warnings.warn(f"fxmem backend: Inductor unavailable ({exc}); running the planned graphs with "
                           "aot_eager instead (the budget still applies)", stacklevel=2)
     return _compile_aot_eager(gm, example_inputs, planner)
+
+
+def _input_device(example_inputs: Sequence[Any]) -> DeviceSpec:
+    """The preset of the first tensor input's device (CPU when the graph has no tensor input)."""
+    for value in example_inputs:
+        if isinstance(value, torch.Tensor):
+            return preset_for(value.device)
+    return preset_for("cpu")
 
 
 def _compile_aot_eager(gm, example_inputs, planner: Planner):

@@ -199,3 +199,17 @@ def test_entry_point_registered_without_importing_fxmem():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["True", "True"]
+
+
+@pytest.mark.parametrize("on_cuda", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_prices_for_the_device_the_inputs_live_on(on_cuda):
+    """Without a `device` option the plan is priced for the inputs' device: the GPU's own preset on CUDA."""
+    from fxmem.cost import preset_for
+    device = torch.device("cuda" if on_cuda else "cpu")
+    model, inputs = _setup("mlp-tiny")
+    model, inputs = model.to(device), tuple(t.to(device) for t in inputs)
+    options = {"budget_gb": 1.0, "inner": "aot_eager", "time_limit_s": 5}
+    _compiled(model, options)(*inputs).sum().backward()
+    (plan,) = plans_for(options)
+    assert plan.device == preset_for(device).name

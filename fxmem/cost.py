@@ -89,7 +89,9 @@ class DeviceSpec:
             return self.blas_workspace_bytes
         fields = config.split(":")[1:]
         try:
-            return sum(int(fields[i]) * 1024 * int(fields[i + 1]) for i in range(0, len(fields) - 1, 2))
+            if not fields or len(fields) % 2:
+                raise ValueError
+            return sum(int(fields[i]) * 1024 * int(fields[i + 1]) for i in range(0, len(fields), 2))
         except ValueError:
             raise ValueError(f"CUBLAS_WORKSPACE_CONFIG={config!r}: expected :SIZE_KIB:COUNT pairs, "
                              "e.g. :4096:8") from None

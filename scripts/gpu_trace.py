@@ -162,11 +162,13 @@ def predict(fixture: dict, fractions: list[float] | None = None) -> list[dict]:
         plan, (fw, bw) = plan_graphs(model, inputs, budget, as_recorded)
         n_out = len(fw.graph.output_node().args[0]) - len([p for p in bw.graph.find_nodes(op="placeholder")
                                                            if not p.name.startswith("tangents")])
-        timeline = simulate_step(fw, bw, n_out, AllocatorModel.for_device(target))
+        allocator = AllocatorModel.for_device(target)
+        timeline = simulate_step(fw, bw, n_out, allocator)
         runs = [r for p in recorded for r in p["runs"] if not r.get("excluded")]
         rows.append({"fraction": frac, "old_predicted_mib": plan.predicted_peak_bytes / MIB,
                      "predicted_mib": timeline.peak / MIB, "workspace_mib": timeline.workspace / MIB,
                      "measured_mib": sorted(r["measured_mib"] for r in runs),
+                     "scratch_bytes": [b for n in bw.graph.nodes if (b := allocator.scratch(n))],
                      "same_plan": all(sorted(plan.recompute) == sorted(p["recompute"]) for p in recorded)})
     return rows
 

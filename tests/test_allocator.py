@@ -108,3 +108,19 @@ def test_unknown_gpu_gets_workspace_by_capability(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, m=major: (m, 0))
         spec = fxmem.cost.preset_for("cuda:0")
         assert isinstance(spec, DeviceSpec) and spec.blas_workspace_bytes == expected
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the meter's CUDA path and the allocator "
+                    "model on a real GPU are untested on this machine")
+def test_meter_and_prediction_on_cuda():
+    """On a GPU: the meter counts the cuBLAS workspaces the step allocates (as an OOM would), and the
+    plan's prediction for this GPU is within 1% of it."""
+    from fxmem.measure import measure_peak_bytes
+    from fxmem import models
+    torch.manual_seed(0)
+    model = models.from_name("gpt-tiny", dropout=0.0).cuda()
+    inputs = [x.cuda() for x in models.example_inputs("gpt-tiny")]
+    plan = fxmem.plan(model, inputs)
+    measured = measure_peak_bytes(fxmem.optimize(model, plan=plan), inputs)
+    assert measured >= plan.breakdown.get("BLAS workspaces", 0) > 0
+    assert abs(plan.predicted_peak_bytes - measured) <= 0.01 * measured, (plan.predicted_peak_bytes, measured)

@@ -143,11 +143,12 @@ def preset_for(device: torch.device | str) -> DeviceSpec:
     if device.type != "cuda":
         return DEVICE_PRESETS["cpu"]
     name = torch.cuda.get_device_name(device)
-    memory = torch.cuda.get_device_properties(device).total_memory
+    props = torch.cuda.get_device_properties(device)
+    memory = props.total_memory
     for fragment, preset in GPU_PRESETS:
         if fragment in name.lower():
             return replace(DEVICE_PRESETS[preset], memory_bytes=memory)
-    workspace = SM90_WORKSPACE if torch.cuda.get_device_capability(device)[0] >= 9 else SM80_WORKSPACE
+    workspace = SM90_WORKSPACE if getattr(props, "major", 8) >= 9 else SM80_WORKSPACE
     return replace(DEVICE_PRESETS["a100"], name=name, memory_bytes=memory, blas_workspace_bytes=workspace)
 
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+import types
 from dataclasses import replace
 
 import pytest
 import torch
 
 import fxmem
-from fxmem.cost import DEVICE_PRESETS, SM80_WORKSPACE, SM90_WORKSPACE, DeviceSpec
+from fxmem.cost import DEVICE_PRESETS, SM80_WORKSPACE, SM90_WORKSPACE, DeviceSpec, preset_for
 from fxmem.memory import EXACT, AllocatorModel
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
@@ -103,10 +104,10 @@ def test_stray_run_is_explained_not_fitted():
 
 def test_unknown_gpu_gets_workspace_by_capability(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA Future 1")
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: type("P", (), {"total_memory": 2**34}))
     for major, expected in ((9, SM90_WORKSPACE), (10, SM90_WORKSPACE), (8, SM80_WORKSPACE)):
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, m=major: (m, 0))
-        spec = fxmem.cost.preset_for("cuda:0")
+        props = types.SimpleNamespace(total_memory=2**34, major=major)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None, p=props: p)
+        spec = preset_for("cuda:0")
         assert isinstance(spec, DeviceSpec) and spec.blas_workspace_bytes == expected
 
 

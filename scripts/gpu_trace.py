@@ -184,7 +184,8 @@ def main() -> None:
     if args.predict:
         with open(args.predict) as f:
             fixture = json.load(f)
-        print("| budget (x eager) | predicted before (MiB) | predicted now (MiB) | measured (MiB) | error | same plan |")
+        print("| budget (x eager) | predicted before (MiB) | predicted now (MiB) | measured (MiB) | error "
+              "| same plan |")
         print("|---|---|---|---|---|---|")
         for r in predict(fixture):
             errors = [(r["predicted_mib"] - m) / m for m in r["measured_mib"]]

@@ -51,10 +51,11 @@ class GraphRecord:
 
     @property
     def kept_bytes(self) -> int:
-        """What this graph keeps alive for the whole step: static inputs, gradients, saved activations."""
+        """What this graph keeps alive for the whole step: static inputs, gradients, saved activations
+        (not the BLAS workspaces: every graph of the step shares them, and each graph's plan counts them)."""
         if self.plan is None:
             return 0
-        return sum(self.plan.breakdown.values()) + self.plan.saved_bytes
+        return sum(v for k, v in self.plan.breakdown.items() if k != "BLAS workspaces") + self.plan.saved_bytes
 
 
 @dataclass

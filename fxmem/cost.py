@@ -8,6 +8,7 @@ Returns a frozen `CostTable`; writes `meta["fxmem"]["cost"]` on each node.
 from __future__ import annotations
 
 import operator
+import os
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Callable, Mapping
@@ -53,7 +54,10 @@ HOST_LINKS: Mapping[str, HostLink] = MappingProxyType({
 @dataclass(frozen=True)
 class DeviceSpec:
     """What a device can do: matmul FLOP/s (16-bit and 32-bit), memory bytes/s, per-op overhead,
-    and its link to host memory (for offloading saved values)."""
+    and its link to host memory (for offloading saved values); and what its allocator holds beyond
+    the tensors (`fxmem.memory.AllocatorModel`): every block rounded up to `block_bytes`, one BLAS
+    workspace of `blas_workspace_bytes` per graph that runs a matmul (forward; autograd's backward
+    thread), and a scratch of its output's size for each op in `scratch_ops` (aten op names)."""
 
     name: str
     flops_per_s: float
@@ -62,6 +66,9 @@ class DeviceSpec:
     op_overhead_s: float
     memory_bytes: int | None = None
     host_link: HostLink | None = None
+    block_bytes: int = 1
+    blas_workspace_bytes: int = 0
+    scratch_ops: tuple[str, ...] = ()
 
     def with_link(self, link: "HostLink | str") -> "DeviceSpec":
         """This device with another host link (a `HostLink` or a preset name such as "nvlink-c2c")."""
@@ -74,6 +81,21 @@ class DeviceSpec:
         except KeyError:
             raise KeyError(f"unknown device {name!r}; presets: {', '.join(sorted(DEVICE_PRESETS))}") from None
 
+    def workspace_bytes(self) -> int:
+        """Bytes of one BLAS workspace: `blas_workspace_bytes`, or what CUBLAS_WORKSPACE_CONFIG
+        (":SIZE_KIB:COUNT" pairs) asks for on a device that has one (0 on the CPU)."""
+        config = os.environ.get("CUBLAS_WORKSPACE_CONFIG", "")
+        if not self.blas_workspace_bytes or not config:
+            return self.blas_workspace_bytes
+        fields = config.split(":")[1:]
+        try:
+            if not fields or len(fields) % 2:
+                raise ValueError
+            return sum(int(fields[i]) * 1024 * int(fields[i + 1]) for i in range(0, len(fields), 2))
+        except ValueError:
+            raise ValueError(f"CUBLAS_WORKSPACE_CONFIG={config!r}: expected :SIZE_KIB:COUNT pairs, "
+                             "e.g. :4096:8") from None
+
     def flop_rate(self, dtype: torch.dtype | None) -> float:
         return self.flops_per_s if dtype in (torch.float16, torch.bfloat16) else self.fp32_flops_per_s
 
@@ -81,17 +103,31 @@ class DeviceSpec:
         return self.op_overhead_s + max(flops / self.flop_rate(dtype), bytes_moved / self.bytes_per_s)
 
 
+MIB = 2**20
+# The CUDA caching allocator rounds every block up to 512 bytes. cuBLAS keeps one workspace per
+# handle and stream (CUBLAS_WORKSPACE_CONFIG overrides): 32 MiB on sm90 and newer, ":4096:2:16:8"
+# (8.125 MiB) before; the allocator traces of one H100 step show two (forward and backward thread).
+# Softmax backward on CUDA allocates a scratch of its output's size for the op's duration.
+CUDA_ALLOCATOR = dict(block_bytes=512, scratch_ops=("_softmax_backward_data",))
+SM80_WORKSPACE, SM90_WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8, 32 * MIB
+
 DEVICE_PRESETS: Mapping[str, DeviceSpec] = MappingProxyType({
     # A 2-core laptop/CI-class CPU; per-op dispatch overhead dominates small ops.
     "cpu": DeviceSpec("cpu", 1.0e11, 1.0e11, 15 * GB, 8e-6, None, HOST_LINKS["memcpy"]),
     # Dense tensor-core peaks (no sparsity) and HBM bandwidth from the vendors' data sheets;
     # host links as the SXM/PCIe boards ship (H100/H200 SXM: PCIe Gen5; GH200 is h100 + nvlink-c2c).
-    "a100": DeviceSpec("a100", 312e12, 156e12, 2039 * GB, 5e-6, 80 * 2**30, HOST_LINKS["pcie4"]),
-    "h100": DeviceSpec("h100", 989e12, 494e12, 3350 * GB, 4e-6, 80 * 2**30, HOST_LINKS["pcie5"]),
-    "h200": DeviceSpec("h200", 989e12, 494e12, 4800 * GB, 4e-6, 141 * 2**30, HOST_LINKS["pcie5"]),
-    "gh200": DeviceSpec("gh200", 989e12, 494e12, 4000 * GB, 4e-6, 96 * 2**30, HOST_LINKS["nvlink-c2c"]),
-    "l4": DeviceSpec("l4", 121e12, 60e12, 300 * GB, 5e-6, 24 * 2**30, HOST_LINKS["pcie4"]),
-    "rtx4090": DeviceSpec("rtx4090", 165e12, 82e12, 1008 * GB, 5e-6, 24 * 2**30, HOST_LINKS["pcie4"]),
+    "a100": DeviceSpec("a100", 312e12, 156e12, 2039 * GB, 5e-6, 80 * 2**30, HOST_LINKS["pcie4"],
+        blas_workspace_bytes=SM80_WORKSPACE, **CUDA_ALLOCATOR),
+    "h100": DeviceSpec("h100", 989e12, 494e12, 3350 * GB, 4e-6, 80 * 2**30, HOST_LINKS["pcie5"],
+        blas_workspace_bytes=SM90_WORKSPACE, **CUDA_ALLOCATOR),
+    "h200": DeviceSpec("h200", 989e12, 494e12, 4800 * GB, 4e-6, 141 * 2**30, HOST_LINKS["pcie5"],
+        blas_workspace_bytes=SM90_WORKSPACE, **CUDA_ALLOCATOR),
+    "gh200": DeviceSpec("gh200", 989e12, 494e12, 4000 * GB, 4e-6, 96 * 2**30, HOST_LINKS["nvlink-c2c"],
+        blas_workspace_bytes=SM90_WORKSPACE, **CUDA_ALLOCATOR),
+    "l4": DeviceSpec("l4", 121e12, 60e12, 300 * GB, 5e-6, 24 * 2**30, HOST_LINKS["pcie4"],
+        blas_workspace_bytes=SM80_WORKSPACE, **CUDA_ALLOCATOR),
+    "rtx4090": DeviceSpec("rtx4090", 165e12, 82e12, 1008 * GB, 5e-6, 24 * 2**30, HOST_LINKS["pcie4"],
+           blas_workspace_bytes=SM80_WORKSPACE, **CUDA_ALLOCATOR),
 })
 
 
@@ -107,11 +143,13 @@ def preset_for(device: torch.device | str) -> DeviceSpec:
     if device.type != "cuda":
         return DEVICE_PRESETS["cpu"]
     name = torch.cuda.get_device_name(device)
-    memory = torch.cuda.get_device_properties(device).total_memory
+    props = torch.cuda.get_device_properties(device)
+    memory = props.total_memory
     for fragment, preset in GPU_PRESETS:
         if fragment in name.lower():
             return replace(DEVICE_PRESETS[preset], memory_bytes=memory)
-    return replace(DEVICE_PRESETS["a100"], name=name, memory_bytes=memory)
+    workspace = SM90_WORKSPACE if getattr(props, "major", 8) >= 9 else SM80_WORKSPACE
+    return replace(DEVICE_PRESETS["a100"], name=name, memory_bytes=memory, blas_workspace_bytes=workspace)
 
 
 @dataclass(frozen=True)

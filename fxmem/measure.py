@@ -1,10 +1,12 @@
-"""Independent memory meter for one training step: MemTracker on CPU, the CUDA allocator on GPU.
+"""Independent memory meter for one training step: MemTracker on CPU, the CUDA allocator on GPU
+(`max_memory_allocated` after a warm-up step, workspaces the step's kernels allocate included).
 
 Reads nothing of fxmem's predictions; runs the step it is given (after one warm-up step) and
 returns the peak bytes it saw (parameters, gradients, activations and temporaries). Writes nothing.
 """
 from __future__ import annotations
 
+import gc
 from typing import Any, Callable, Sequence
 
 import torch
@@ -40,18 +42,31 @@ def measure_peak_bytes(module: torch.nn.Module, inputs: Sequence[Any], kwargs: d
         p.grad = None
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        start = torch.cuda.memory_allocated(device)
-        step(module, inputs, kwargs)
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - start + _resident_bytes(module, inputs)
+        return _cuda_peak(device, module, inputs, kwargs, step)
     tracker = _StepTracker()
     tracker.track_external(module, *[x for x in inputs if isinstance(x, torch.Tensor)])
     with tracker:
         step(module, inputs, kwargs)
     peak = tracker.get_tracker_snapshot("peak")
     return max(snap["Total"] for snap in peak.values())
+
+
+def _cuda_peak(device: torch.device, module: torch.nn.Module, inputs: Sequence[Any], kwargs: dict | None,
+               step: Callable[..., Any]) -> int:
+    """What `torch.cuda.max_memory_allocated` reports for the step (an out-of-memory error counts the
+    same bytes), less only what the caller holds outside it (other models, optimizer state). cuBLAS
+    workspaces are freed first, so that the step allocates them again and they count inside it;
+    unreachable objects (an earlier model in a reference cycle) are collected first."""
+    gc.collect()
+    torch.cuda.synchronize(device)
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    torch.cuda.reset_peak_memory_stats(device)
+    outside = torch.cuda.memory_allocated(device) - _resident_bytes(module, inputs, block=512)
+    step(module, inputs, kwargs)
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - max(0, outside)
 
 
 class _StepTracker(MemTracker):
@@ -63,11 +78,12 @@ class _StepTracker(MemTracker):
         return True
 
 
-def _resident_bytes(module: torch.nn.Module, inputs: Sequence[Any]) -> int:
-    """Parameters, buffers and inputs allocated before the step (MemTracker counts them too)."""
+def _resident_bytes(module: torch.nn.Module, inputs: Sequence[Any], block: int = 1) -> int:
+    """Parameters, buffers and inputs allocated before the step (MemTracker counts them too), each
+    rounded up to the allocator's `block` bytes."""
     seen: dict[Any, int] = {}
     tensors = list(module.parameters()) + list(module.buffers()) + [x for x in inputs if isinstance(x, torch.Tensor)]
     for t in tensors:
         st = t.untyped_storage()
         seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
+    return sum(-(-n // block) * block for n in seen.values())

@@ -4,7 +4,8 @@ Reads `meta["val"]` (FakeTensors) of fx nodes; counts unique storages (views sha
 allocates at the producing node and frees after the last use, as fx-generated code with boxed
 inputs does. Parameters, buffers and inputs are alive throughout; model outputs and gradients
 are held until the step ends. Nodes marked `meta["fxmem"]["host"]` (offloaded copies) hold no
-device memory. Writes nothing.
+device memory. An `AllocatorModel` adds what a device's allocator holds beyond the tensors (block
+rounding, BLAS workspaces, kernel scratch); the default adds nothing (the CPU). Writes nothing.
 """
 from __future__ import annotations
 
@@ -39,14 +40,64 @@ def storages_of(node: torch.fx.Node) -> dict[Hashable, int]:
     return {storage_key(t): storage_bytes(t) for t in tensors_of(node)}
 
 
+# aten ops that run on cuBLAS: the first one a thread runs on a stream allocates its workspace.
+BLAS_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot",
+                      "_addmm_activation", "_scaled_mm", "addr"})
+
+
+def op_name(node: torch.fx.Node) -> str:
+    """The aten op's name without namespace and overload ("mm" for aten.mm.default)."""
+    packet = getattr(node.target, "overloadpacket", None)
+    return getattr(packet, "__name__", "") if packet is not None else ""
+
+
+@dataclass(frozen=True)
+class AllocatorModel:
+    """What a device's allocator holds beyond the tensors' bytes. Every block is rounded up to
+    `block_bytes`; a graph that runs a BLAS op holds one `workspace_bytes` workspace for the whole
+    step (cuBLAS caches it per thread and stream from the first step on: one for forward, one for
+    autograd's backward thread); an op in `scratch_ops` holds a scratch of its output's size while
+    it runs. The default is the CPU's: exact bytes, nothing else."""
+
+    block_bytes: int = 1
+    workspace_bytes: int = 0
+    scratch_ops: frozenset[str] = frozenset()
+
+    @classmethod
+    def for_device(cls, device: Any) -> "AllocatorModel":
+        """The model of a `fxmem.cost.DeviceSpec` (its block size, workspace and scratch ops)."""
+        return cls(device.block_bytes, device.workspace_bytes(), frozenset(device.scratch_ops))
+
+    def round(self, nbytes: int) -> int:
+        b = self.block_bytes
+        return nbytes if b <= 1 or nbytes == 0 else -(-nbytes // b) * b
+
+    def workspaces(self, *graphs: Iterable[torch.fx.Node]) -> int:
+        """Workspace bytes held by a step running `graphs` (one workspace per graph with a BLAS op)."""
+        if not self.workspace_bytes:
+            return 0
+        return self.workspace_bytes * sum(any(n.op == "call_function" and op_name(n) in BLAS_OPS for n in g)
+                                          for g in graphs)
+
+    def scratch(self, node: torch.fx.Node) -> int:
+        if not self.scratch_ops or op_name(node) not in self.scratch_ops:
+            return 0
+        return sum(self.round(b) for b in storages_of(node).values())
+
+
+EXACT = AllocatorModel()
+
+
 @dataclass(frozen=True)
 class MemoryTimeline:
-    """Live bytes at each simulated step; `static` (parameters, buffers, inputs) is included in `live`."""
+    """Live bytes at each simulated step; `static` (parameters, buffers, inputs) and `workspace`
+    (the allocator's workspaces, held all step) are included in `live`."""
 
     names: tuple[str, ...]
     phases: tuple[str, ...]
     live: tuple[int, ...]
     static: int
+    workspace: int = 0
 
     @property
     def peak(self) -> int:
@@ -60,9 +111,11 @@ class MemoryTimeline:
 class Walker:
     """Allocation and freeing of storages along one node sequence."""
 
-    def __init__(self, static: dict[Hashable, int]):
+    def __init__(self, static: dict[Hashable, int], allocator: AllocatorModel = EXACT, workspace: int = 0):
         self.static = static
-        self.static_bytes = sum(static.values())
+        self.allocator = allocator
+        self.workspace = workspace
+        self.static_bytes = sum(allocator.round(b) for b in static.values())
         self.exclude: set[Hashable] = set()
         self.live: dict[Hashable, int] = {}
         self.names: list[str] = []
@@ -72,12 +125,12 @@ class Walker:
     def allocate(self, storages: dict[Hashable, int]) -> None:
         for key, nbytes in storages.items():
             if key not in self.static and key not in self.exclude:
-                self.live.setdefault(key, nbytes)
+                self.live.setdefault(key, self.allocator.round(nbytes))
 
-    def record(self, name: str, phase: str) -> None:
+    def record(self, name: str, phase: str, scratch: int = 0) -> None:
         self.names.append(name)
         self.phases.append(phase)
-        self.levels.append(self.static_bytes + sum(self.live.values()))
+        self.levels.append(self.static_bytes + self.workspace + sum(self.live.values()) + scratch)
 
     def walk(self, nodes: Sequence[torch.fx.Node], phase: str, *, keep: set[Hashable],
              counted_users: Any = None) -> None:
@@ -98,7 +151,7 @@ class Walker:
             if node.op in ("call_function", "placeholder") and not on_host(node):
                 self.allocate(storages[i])
             if node.op == "call_function":
-                self.record(node.name, phase)
+                self.record(node.name, phase, self.allocator.scratch(node))
             for key in dying.get(i, ()):
                 self.live.pop(key, None)
 
@@ -108,7 +161,8 @@ class Walker:
             del self.live[key]
 
     def timeline(self) -> MemoryTimeline:
-        return MemoryTimeline(tuple(self.names), tuple(self.phases), tuple(self.levels), self.static_bytes)
+        return MemoryTimeline(tuple(self.names), tuple(self.phases), tuple(self.levels), self.static_bytes,
+                              self.workspace)
 
 
 def _placeholders(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
@@ -127,16 +181,18 @@ def _keys(nodes: Iterable[Any]) -> set[Hashable]:
     return keys
 
 
-def simulate_step(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, num_user_outputs: int) -> MemoryTimeline:
+def simulate_step(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, num_user_outputs: int,
+                  allocator: AllocatorModel = EXACT) -> MemoryTimeline:
     """Simulate forward graph `fw` then backward graph `bw` as AOTAutograd runs them.
 
     fw returns `num_user_outputs` values for the caller (mutated buffers, model outputs), then the
     values saved for backward; bw takes those saved values and the tangents and returns gradients.
+    `allocator`: what the device's allocator holds beside the tensors (default: nothing).
     """
     static = {}
     for node in _placeholders(fw):
         static.update(storages_of(node))
-    walker = Walker(static)
+    walker = Walker(static, allocator, allocator.workspaces(fw.graph.nodes, bw.graph.nodes))
     fw_outputs = _outputs(fw)
     held_by_user = _keys(fw_outputs[:num_user_outputs])
     returned = _keys(fw_outputs)

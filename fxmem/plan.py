@@ -208,8 +208,9 @@ class Plan:
 
     @property
     def activation_reduction_pct(self) -> float:
-        """Share of the eager step's memory above parameters, gradients and inputs that the plan removes."""
-        floor = self.breakdown.get("parameters, buffers and inputs", 0) + self.breakdown.get("gradients", 0)
+        """Share of the eager step's memory above parameters, gradients, inputs (and BLAS workspaces)
+        that the plan removes."""
+        floor = sum(self.breakdown.get(k, 0) for k in ("parameters, buffers and inputs", "gradients", "BLAS workspaces"))
         above = self.baseline_peak_bytes - floor
         return 100.0 * (self.baseline_peak_bytes - self.predicted_peak_bytes) / above if above > 0 else 0.0
 

@@ -20,7 +20,7 @@ import torch.fx
 from fxmem.cost import DEVICE_PRESETS, HOST_LINKS, CostTable, DeviceSpec, estimate
 from fxmem.errors import InfeasibleBudgetError, fmt_bytes
 from fxmem.kernel_timer import KernelTimer
-from fxmem.memory import MemoryTimeline, simulate_step, storages_of
+from fxmem.memory import EXACT, AllocatorModel, MemoryTimeline, simulate_step, storages_of
 from fxmem.plan import NodeRow, Plan, PoolSection, graph_fingerprint
 from fxmem.problem import enable_offload, eager_decision, offload_cost, saved_set
 from fxmem.schedule import JointSplit, Lowered, build_problem, split_joint
@@ -82,6 +82,7 @@ class Planner:
         self.plan: Plan | None = None
         self._seconds: dict[str, float] = {}  # per joint node, for timing offload copies
         self._views: frozenset[str] = frozenset()
+        self.allocator = EXACT  # what the target device's allocator holds beside the tensors
 
     def __call__(self, joint: torch.fx.GraphModule, _joint_inputs, *, num_fwd_outputs: int, **_kw
                  ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
@@ -92,6 +93,7 @@ class Planner:
             plan.check_applies(model=self.request.model, signature=self.request.signature,
                                fingerprint=fingerprint, torch_version=torch.__version__)
             device = _device_named(plan.device, self.request.device)
+            self.allocator = AllocatorModel.for_device(device)
             link = HOST_LINKS.get(plan.host_link, device.host_link)
             if plan.offload:  # the copies are timed by the clock of the device and link the plan was made for
                 self._price_copies(estimate(joint, device))
@@ -107,7 +109,7 @@ class Planner:
     def _pool_section(self, plan: Plan, graphs: StepGraphs) -> PoolSection:
         """The arenas of the pooled graphs; an arena is held across its graph, so the pooled step is
         simulated again."""
-        peak = simulate_step(graphs.fw, graphs.bw, graphs.num_fwd_outputs).peak
+        peak = simulate_step(graphs.fw, graphs.bw, graphs.num_fwd_outputs, self.allocator).peak
         if peak > plan.budget_bytes:
             log.warning("fxmem: pooled graphs hold their arenas across the graph; the simulated peak "
                         "%d bytes exceeds the budget %d bytes (unpooled %d)", peak, plan.budget_bytes,
@@ -134,7 +136,8 @@ class Planner:
         names = _saved_names(lowered, recompute)
         fw, bw = partition(joint, names, num_fwd_outputs=self.num_fwd_outputs)
         fw, bw = self._offload(fw, bw, [lowered.nodes[i].name for i in sorted(offloaded)])
-        return _Candidate(recompute, fw, bw, simulate_step(fw, bw, self.num_fwd_outputs), frozenset(offloaded))
+        return _Candidate(recompute, fw, bw, simulate_step(fw, bw, self.num_fwd_outputs, self.allocator),
+                          frozenset(offloaded))
 
     def _make_plan(self, joint: torch.fx.GraphModule, fingerprint: str) -> Plan:
         request = self.request
@@ -143,7 +146,8 @@ class Planner:
         timer = KernelTimer(_graph_device(joint)) if request.calibrate else None
         costs = estimate(joint, request.device, backward=set(split.backward), timer=timer and timer.seconds)
         self._price_copies(costs)
-        lowered = build_problem(joint, split, costs, budget or 0)
+        self.allocator = AllocatorModel.for_device(request.device)
+        lowered = build_problem(joint, split, costs, budget or 0, self.allocator)
         if request.offload:
             lowered = _allow_offload(lowered, split, costs, request.offload_min_bytes)
         log.info("joint graph: %d forward and %d backward ops, %d values backward may need",
@@ -170,7 +174,8 @@ class Planner:
             solver_gap=solution.gap if solution else 0.0, solve_time_s=solve_time,
             device=request.device.name, model=request.model, signature=request.signature,
             fingerprint=fingerprint, torch_version=torch.__version__,
-            breakdown=_breakdown(split), nodes=_node_rows(lowered, costs, set(saved), set(recomputed), set(offloaded)),
+            breakdown=_breakdown(split, self.allocator),
+            nodes=_node_rows(lowered, costs, set(saved), set(recomputed), set(offloaded)),
             offload=tuple(offloaded), exposed_transfer_s=exposed_s,
             offloaded_bytes=sum(lowered.problem.size[i] for i in chosen.offloaded),
             host_link=request.device.host_link.name if request.offload and request.device.host_link else "",
@@ -230,7 +235,7 @@ class Planner:
         if lowest.timeline.peak <= budget:
             solution = make_solution(problem, decision, "feasible", 0, started, "min-peak")
             return lowest, solution, _with_margin(lowest.timeline.peak)
-        breakdown = _breakdown(split)
+        breakdown = _breakdown(split, self.allocator)
         breakdown["smallest activation set"] = max(0, lowest.timeline.peak - sum(breakdown.values()))
         breakdown["planning margin"] = _with_margin(lowest.timeline.peak) - lowest.timeline.peak
         raise InfeasibleBudgetError(int(budget + margin), _with_margin(lowest.timeline.peak), breakdown)
@@ -248,13 +253,15 @@ def _saved_names(lowered: Lowered, recompute: frozenset[int]) -> list[str]:
     return names + [p.name for p in lowered.primals]
 
 
-def _breakdown(split: JointSplit) -> dict[str, int]:
+def _breakdown(split: JointSplit, allocator: AllocatorModel = EXACT) -> dict[str, int]:
     static, grads = {}, {}
     for node in split.primals:
         static.update(storages_of(node))
     for node in split.grads:
         grads.update(storages_of(node))
-    return {"parameters, buffers and inputs": sum(static.values()), "gradients": sum(grads.values())}
+    parts = {"parameters, buffers and inputs": sum(static.values()), "gradients": sum(grads.values())}
+    workspaces = allocator.workspaces(split.forward, split.backward)
+    return parts | ({"BLAS workspaces": workspaces} if workspaces else {})
 
 
 def _node_rows(lowered: Lowered, costs: CostTable, saved: set[str], recomputed: set[str],

@@ -1,8 +1,9 @@
 """Joint graph -> MemoryProblem: which forward values backward needs, when, and what they cost.
 
 Reads an AOTAutograd joint forward/backward GraphModule (`meta["val"]`, `meta["partitioner_tag"]`)
-and a `CostTable`; returns a torch-free `MemoryProblem` whose steps are the joint graph's
-call_function nodes in order (forward, then backward) plus the node of each candidate.
+and a `CostTable` (and the device's `AllocatorModel`: sizes rounded, workspaces in the base);
+returns a torch-free `MemoryProblem` whose steps are the joint graph's call_function nodes in order
+(forward, then backward) plus the node of each candidate.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 import torch.fx
 
 from fxmem.cost import CostTable, is_view
-from fxmem.memory import Walker, storages_of
+from fxmem.memory import EXACT, AllocatorModel, Walker, storages_of
 from fxmem.problem import NEVER, MemoryProblem
 
 
@@ -75,7 +76,8 @@ class Lowered:
     primals: tuple[torch.fx.Node, ...]
 
 
-def build_problem(joint: torch.fx.GraphModule, split: JointSplit, costs: CostTable, budget: int) -> Lowered:
+def build_problem(joint: torch.fx.GraphModule, split: JointSplit, costs: CostTable, budget: int,
+                  allocator: AllocatorModel = EXACT) -> Lowered:
     steps = list(split.forward) + list(split.backward)
     step_of = {n: i for i, n in enumerate(steps)}
     num_fw = len(split.forward)
@@ -86,7 +88,7 @@ def build_problem(joint: torch.fx.GraphModule, split: JointSplit, costs: CostTab
         static.update(storages_of(p))
     held = {k for n in split.user_outputs for k in storages_of(n)}
     output_node = joint.graph.output_node()
-    walker = Walker(static)
+    walker = Walker(static, allocator, allocator.workspaces(split.forward, split.backward))
     walker.walk(list(split.forward) + [output_node], "forward", keep=held,
                 counted_users=lambda u: u in forward_set or u is output_node)
     fw_death = _storage_death(split.forward, step_of, lambda u: u in forward_set)
@@ -109,7 +111,7 @@ def build_problem(joint: torch.fx.GraphModule, split: JointSplit, costs: CostTab
         view = is_view(node)
         own = {k: b for k, b in storages_of(node).items() if k not in static and k not in held}
         reads = [step_of[u] for u in node.users if step_of.get(u, -1) >= num_fw]
-        columns["size"].append(0 if view else sum(own.values()))
+        columns["size"].append(0 if view else sum(allocator.round(b) for b in own.values()))
         columns["cost"].append(int(round(costs[node.name].seconds * 1e9)) if node.name in costs.nodes else 0)
         columns["inputs"].append(tuple(index[i] for i in node.all_input_nodes if i in index))
         columns["aliases"].append(view)

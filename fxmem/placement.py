@@ -1,8 +1,8 @@
 """Multi-device placement: `fxmem.optimize(model, budget_gb=..., devices=[...])`.
 
 Reads the model's keep-all plan (per forward value: module path, seconds, saved bytes) and its
-parameters; cuts the model into units (top-level modules; the items of a top-level ModuleList or
-Sequential), places contiguous runs of units on the devices with `fxmem.solve.placement`, and runs
+parameters; cuts the model into units (`fxmem.units`: modules, opening containers and layer-list wrappers, so a
+transformers decoder splits between its layers), places contiguous runs of units on the devices with `fxmem.solve.placement`, and runs
 the captured graph with `passes/devices.py` moves. Per unit, memory is its parameters and their
 gradients plus the activations it saves for backward (the keep-all step); time is three times its
 forward estimate (forward plus a backward of about twice the work). The step runs the devices one
@@ -24,10 +24,8 @@ from fxmem.passes.devices import place
 from fxmem.plan import DeviceRow, NodeRow, Plan
 from fxmem.planner import PlanRequest
 from fxmem.solve.placement import PlacementError, place_regions
+from fxmem.units import unit_path
 from fxmem.wrapper import ModelWrapper
-
-_CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
-
 
 def check_devices(devices: Sequence[str]) -> list[str]:
     """The devices, if this torch build and machine have them all; otherwise a ValueError naming what is missing."""
@@ -55,25 +53,13 @@ def check_devices(devices: Sequence[str]) -> list[str]:
     return list(devices)
 
 
-def unit_of(model: torch.nn.Module, path: str) -> str:
-    """The placement unit a module path belongs to: its top-level module, or the item of a
-    top-level container ("blocks.3" for "blocks.3.attn.c_attn"); "" for the root."""
-    parts = [p for p in path.split(".") if p]
-    if not parts:
-        return ""
-    top = getattr(model, parts[0], None)
-    if isinstance(top, _CONTAINERS) and len(parts) > 1:
-        return f"{parts[0]}.{parts[1]}"
-    return parts[0]
-
-
 def _units(model: torch.nn.Module, rows: Sequence[NodeRow]) -> tuple[list[str], dict[str, list[NodeRow]]]:
     """Units in forward order; rows of root-level ops join the unit running before them."""
     order: list[str] = []
     members: dict[str, list[NodeRow]] = {}
     current = None
     for row in rows:
-        unit = unit_of(model, row.module)
+        unit = unit_path(model, row.module)
         if unit and unit not in members:  # a unit seen before (tied weights) does not start a new run
             order.append(unit)
             members[unit] = []
@@ -123,11 +109,11 @@ def node_devices(model: torch.nn.Module, gm: torch.fx.GraphModule, plan: Plan) -
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             owner = node.target.rpartition(".")[0]
-            devices[node.name] = where.get(unit_of(model, owner), current) if owner else current
+            devices[node.name] = where.get(unit_path(model, owner), current) if owner else current
             continue
         path = module_path(node) if node.op != "call_module" else str(node.target)
         if path:
-            current = where.get(unit_of(model, path), current)
+            current = where.get(unit_path(model, path), current)
         devices[node.name] = current
     return devices
 

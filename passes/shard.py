@@ -1,7 +1,7 @@
 """Shard pass: group a captured graph's nodes into units, and cut it into a chain of stage modules.
 
 Tags each node `meta["fxmem"]["unit"]` (index of its unit: a maximal run of nodes under the same
-outermost non-container module, e.g. `blocks.3`, or a run of top-level ops), then builds one
+unit (`fxmem.units`), e.g. `blocks.3` or `model.layers.3`, or a run of top-level ops), then builds one
 GraphModule per stage. Stage k takes the values crossing cut k-1 (the model's inputs for stage 0)
 and returns those crossing cut k (the model's outputs for the last stage): values a later stage
 reads pass through the stages between, because a `torch.distributed.pipelining` stage receives
@@ -18,9 +18,7 @@ import torch.utils._pytree as pytree
 
 from fxmem.cost import _clean_path
 from fxmem.errors import FxmemError
-
-CONTAINERS = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
-
+from fxmem.units import unit_path
 
 class ShardError(FxmemError, ValueError):
     """The graph cannot be cut where asked."""
@@ -41,18 +39,12 @@ def _skipped(node: torch.fx.Node) -> bool:
 
 def _unit_key(node: torch.fx.Node, model: torch.nn.Module) -> str:
     stack = node.meta.get("nn_module_stack") or {}
-    for path, _ in stack.values():
-        path = _clean_path(path if isinstance(path, str) else str(path))
-        if not path:
-            continue
-        try:
-            module = model.get_submodule(path)
-        except AttributeError:
-            return path
-        if not isinstance(module, CONTAINERS):
-            return path
+    paths = [_clean_path(p if isinstance(p, str) else str(p)) for p, _ in stack.values()]
+    paths = [p for p in paths if p]
+    if paths:
+        return unit_path(model, paths[-1])
     if node.op == "call_module":
-        return str(node.target)
+        return unit_path(model, str(node.target))
     return ""
 
 

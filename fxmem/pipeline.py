@@ -131,9 +131,11 @@ def _planner_infeasible(problem: StageProblem, budget_bytes: int, needs: list[in
     """`needs`: the least stage budgets fxmem's planner reported for the stages it refused."""
     need = min(needs, default=budget_bytes + 1)
     err = InfeasibleBudgetError(budget_bytes, need)
+    found = (f"the splits the stage model found feasible need at least {fmt_bytes(need)}" if needs else
+             "every split the stage model found feasible needs more than that")
+    raise_to = f"raise budget_gb to at least {need / 2**30:.3f}" if needs else "raise budget_gb"
     err.args = (f"no split into {problem.num_stages} pipeline stages fits {fmt_bytes(budget_bytes)} per stage: "
-                f"the splits the stage model found feasible need at least {fmt_bytes(need)} once fxmem's planner "
-                f"checks each stage's step (with recompute); raise budget_gb to at least {need / 2**30:.3f}, "
+                f"{found} once fxmem's planner checks each stage's step (with recompute); {raise_to}, "
                 "use more stages, fewer microbatches in flight (schedule='1f1b'), or a smaller microbatch",)
     return err
 

@@ -83,6 +83,16 @@ def test_stage_budget_is_respected_and_infeasible_is_clear():
     assert all(s.predicted_peak_bytes <= budget for s in fits.pipeline.stages)
 
 
+def test_refusal_names_no_figure_it_does_not_have():
+    from types import SimpleNamespace
+    from fxmem.pipeline import _planner_infeasible
+    problem = SimpleNamespace(num_stages=2)
+    unknown = str(_planner_infeasible(problem, 2**30, []))
+    assert "needs more than that" in unknown and "at least" not in unknown
+    known = str(_planner_infeasible(problem, 2**30, [3 * 2**30, 2 * 2**30]))
+    assert "need at least 2.00 GiB" in known and "at least 2.000" in known
+
+
 def test_integer_tensors_between_stages_are_refused_where_torch_cannot_receive_them(monkeypatch):
     model = gpt()
     idx, targets = models.example_inputs("gpt-tiny", 2)

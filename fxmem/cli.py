@@ -254,14 +254,15 @@ def _call_plan(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 def infeasible_message(exc: Any, what: str, offload: bool = False) -> str:
     """One line: the least feasible --budget-gb and its breakdown; --offload suggested unless `offload`
     (given already, or not available: pipeline stages)."""
-    from fxmem.errors import fmt_bytes, gb_at_least
+    from fxmem.errors import fmt_bytes, gb_at_least, least_words
 
     if exc.min_budget_bytes <= exc.budget_bytes:  # not a minimum below this budget: the planner's own words
         return f"{exc} ({what})"
     parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in exc.breakdown.items())
-    return (f"budget {fmt_bytes(exc.budget_bytes)} is below the minimum feasible budget "
-            f"{fmt_bytes(exc.min_budget_bytes)} for {what}" + (f" ({parts})" if parts else "")
+    least = least_words(exc).replace("the minimum ", "the minimum feasible budget ")
+    return (f"budget {fmt_bytes(exc.budget_bytes)} is below {least} for {what}" + (f" ({parts})" if parts else "")
             + f"; use --budget-gb {gb_at_least(exc.min_budget_bytes)} or more, "
+            + ("" if getattr(exc, "proven", True) else "a longer --time-limit, ")
             + ("or a smaller --batch-size" if offload else "a smaller --batch-size, or --offload"))
 
 

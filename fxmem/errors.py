@@ -29,19 +29,34 @@ def gb_at_least(nbytes: int) -> str:
 
 
 class InfeasibleBudgetError(FxmemError, ValueError):
-    """The budget is below the least memory a training step of this model can use."""
+    """The budget is below the least memory a training step of this model was found to need.
 
-    def __init__(self, budget_bytes: int, min_budget_bytes: int, breakdown: dict[str, int] | None = None):
+    `min_budget_bytes`: the least budget a plan was found for. `proven`: no plan needs less (else the
+    search ran out of time, and `lower_bound_bytes` is the least any plan could need)."""
+
+    def __init__(self, budget_bytes: int, min_budget_bytes: int, breakdown: dict[str, int] | None = None,
+                 *, lower_bound_bytes: int | None = None, proven: bool = True):
         self.budget_bytes = budget_bytes
         self.min_budget_bytes = min_budget_bytes
+        self.proven = proven or lower_bound_bytes is not None and lower_bound_bytes >= min_budget_bytes
+        self.lower_bound_bytes = min_budget_bytes if self.proven else lower_bound_bytes
         self.breakdown = dict(breakdown or {})
         parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in self.breakdown.items())
         super().__init__(
-            f"budget {fmt_bytes(budget_bytes)} is below the minimum {fmt_bytes(min_budget_bytes)} "
-            f"for this model and batch" + (f" ({parts})" if parts else "")
-            + f"; raise budget_gb to at least {gb_at_least(min_budget_bytes)}, lower the batch size, "
-            "or enable offload"
+            f"budget {fmt_bytes(budget_bytes)} is below {least_words(self)} for this model and batch"
+            + (f" ({parts})" if parts else "")
+            + f"; raise budget_gb to at least {gb_at_least(min_budget_bytes)}, "
+            + ("" if self.proven else "give the solver more time (time_limit_s), ")
+            + "lower the batch size, or enable offload"
         )
+
+
+def least_words(exc: InfeasibleBudgetError) -> str:
+    """'the minimum X' when proven, else 'the least budget found X (proven >= Y)'."""
+    if exc.proven:
+        return f"the minimum {fmt_bytes(exc.min_budget_bytes)}"
+    bound = f" (proven >= {fmt_bytes(exc.lower_bound_bytes)})" if exc.lower_bound_bytes else ""
+    return f"the least budget found, {fmt_bytes(exc.min_budget_bytes)}{bound}"
 
 
 class TraceError(FxmemError, RuntimeError):

@@ -24,7 +24,7 @@ from fxmem.memory import EXACT, AllocatorModel, MemoryTimeline, simulate_step, s
 from fxmem.plan import NodeRow, Plan, PoolSection, graph_fingerprint
 from fxmem.problem import enable_offload, eager_decision, offload_cost, saved_set
 from fxmem.schedule import JointSplit, Lowered, build_problem, split_joint
-from fxmem.solve.recompute import min_peak, solve
+from fxmem.solve.recompute import least_peak, solve
 from fxmem.solve.solution import Solution, make_solution
 from fxmem.passes.offload import offload, offload_pass
 from fxmem.passes.pool import pool_pass, pool_stats
@@ -230,15 +230,17 @@ class Planner:
             return None
         started = time.perf_counter()
         log.info("searching for the least feasible budget")
-        _, decision = min_peak(problem, request.time_limit_s)
-        lowest = self._candidate(joint, lowered, decision)
+        least = least_peak(problem, request.time_limit_s)
+        lowest = self._candidate(joint, lowered, least.recompute)
         if lowest.timeline.peak <= budget:
-            solution = make_solution(problem, decision, "feasible", 0, started, "min-peak")
+            solution = make_solution(problem, least.recompute, "feasible", 0, started, "min-peak")
             return lowest, solution, _with_margin(lowest.timeline.peak)
         breakdown = _breakdown(split, self.allocator)
         breakdown["smallest activation set"] = max(0, lowest.timeline.peak - sum(breakdown.values()))
         breakdown["planning margin"] = _with_margin(lowest.timeline.peak) - lowest.timeline.peak
-        raise InfeasibleBudgetError(int(budget + margin), _with_margin(lowest.timeline.peak), breakdown)
+        bound = min(least.lower_bound, lowest.timeline.peak)
+        raise InfeasibleBudgetError(int(budget + margin), _with_margin(lowest.timeline.peak), breakdown,
+                                    lower_bound_bytes=_with_margin(bound), proven=least.proven)
 
 
 def _with_margin(peak: int) -> int:

@@ -109,7 +109,7 @@ def _step_rows(plan: Any) -> list[list[str]]:
     rows += [[f"  of which {name}", fmt_bytes(nbytes)] for name, nbytes in plan.breakdown.items()]
     rows.append(["budget", fmt_bytes(plan.budget_bytes)])
     if plan.min_budget_bytes is not None:
-        rows.append(["minimum feasible budget", fmt_bytes(plan.min_budget_bytes)])
+        rows.append(["least feasible budget found", fmt_bytes(plan.min_budget_bytes)])
     step_overhead = (plan.predicted_step_s / plan.baseline_step_s - 1) * 100 if plan.baseline_step_s else 0.0
     values = [r for r in plan.nodes if r.bytes > 0]
     recomputed = sum(r.decision == "recompute" for r in values)

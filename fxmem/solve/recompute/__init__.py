@@ -7,17 +7,17 @@ helpers in `fxmem.problem`, whatever the solver believed internally.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 from typing import Callable
 
-from fxmem.problem import MemoryProblem, is_valid, peak_bytes, recompute_cost
+from fxmem.problem import MemoryProblem
 from fxmem.solve.recompute.brute import solve_brute
 from fxmem.solve.recompute.cpsat import cpsat_min_peak, solve_cpsat
 from fxmem.solve.recompute.exact import exact_min_peak, solve_exact
 from fxmem.solve.recompute.layered import solve_layered
 from fxmem.solve.recompute.auto import solve_auto
 from fxmem.solve.recompute.greedy import greedy_min_peak, solve_greedy
+from fxmem.solve.recompute.least import LeastPeak, least_peak
 from fxmem.solve.solution import Solution, make_solution
 
 
@@ -32,22 +32,11 @@ def solve(problem: MemoryProblem, solver: str = "cpsat", time_limit_s: float = 1
 
 
 def min_peak(problem: MemoryProblem, time_limit_s: float = 10.0) -> tuple[int, frozenset[int]]:
-    """Smallest peak over valid decisions (budget and cost ignored) and a decision reaching it.
-
-    Minimises the peak with CP-SAT, seeded with the greedy descent; falls back to the greedy
-    decision when CP-SAT finds nothing in time (the peak is then only an upper bound).
-    Raises ValueError when no decision is valid at all (a value neither saveable nor recomputable).
-    """
-    started = time.perf_counter()
-    greedy = greedy_min_peak(problem, time_limit_s / 4)
-    options = [greedy] if is_valid(problem, greedy) else []
-    found = cpsat_min_peak(problem, time_limit_s - (time.perf_counter() - started), hint=greedy)
-    if found is not None:
-        options.append(found[1])
-    if not options:
-        raise ValueError("no valid decision: some value can be neither saved nor recomputed")
-    best = min(options, key=lambda rec: (peak_bytes(problem, rec), recompute_cost(problem, rec)))
-    return peak_bytes(problem, best), best
+    """Smallest peak found over valid decisions (budget and cost ignored) and a decision reaching it
+    (`fxmem.solve.recompute.least.least_peak`, which also says whether it is proven).
+    Raises ValueError when no decision is valid at all."""
+    found = least_peak(problem, time_limit_s)
+    return found.peak, found.recompute
 
 
 def _greedy(problem: MemoryProblem, time_limit_s: float) -> Solution:
@@ -80,6 +69,6 @@ SOLVERS: dict[str, Callable[[MemoryProblem, float], Solution]] = {
     "layered": _layered,
 }
 
-__all__ = ["Solution", "SOLVERS", "solve", "min_peak", "make_solution", "solve_greedy",
+__all__ = ["Solution", "SOLVERS", "solve", "min_peak", "least_peak", "LeastPeak", "make_solution", "solve_greedy",
            "solve_cpsat", "solve_brute", "greedy_min_peak", "cpsat_min_peak", "solve_exact", "exact_min_peak",
            "solve_layered", "solve_auto"]

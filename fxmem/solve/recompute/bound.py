@@ -1,0 +1,25 @@
+"""A lower bound on the least peak of a keep-or-recompute problem, from the problem alone.
+
+Reads a `MemoryProblem`; returns bytes. Torch-free. Whatever is decided, a value that backward
+reads is on the device from its first backward read to its last one: saved values from before,
+recomputed ones from their making, which is at or before the first read. With what is live at
+every step anyway (`base`), the largest such sum over the steps is a peak no decision goes below.
+"""
+from __future__ import annotations
+
+from fxmem.problem import NEVER, MemoryProblem
+
+
+def peak_lower_bound(problem: MemoryProblem) -> int:
+    """No valid recompute decision has a smaller peak (offload, which moves values off the device,
+    is not covered)."""
+    delta = [0] * (problem.num_steps + 1)
+    for v in range(problem.num_values):
+        if problem.need_first[v] != NEVER and problem.size[v]:
+            delta[problem.need_first[v]] += problem.size[v]
+            delta[problem.need_last[v] + 1] -= problem.size[v]
+    best, live = 0, 0
+    for t, base in enumerate(problem.base):
+        live += delta[t]
+        best = max(best, base + live)
+    return best

@@ -1,0 +1,77 @@
+"""The least peak of a keep-or-recompute problem: the best decision found, its lower bound, and
+whether it is proven least.
+
+Reads a `MemoryProblem`; returns a `LeastPeak`. Torch-free. Every search runs within the time
+limit and the best is kept: the greedy descent (fast, local), one option spread over repeated
+layers (`layered`, where the graph has them), then the exact time-indexed program on graphs of up
+to `EXACT_CANDIDATES` candidates (a proof when it finishes) or CP-SAT seeded with the best so far.
+The answer is proven when the exact program proves it or when it meets `peak_lower_bound`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from fxmem.problem import MemoryProblem, is_valid, peak_bytes, recompute_cost
+from fxmem.solve.recompute.bound import peak_lower_bound
+from fxmem.solve.recompute.cpsat import cpsat_min_peak
+from fxmem.solve.recompute.exact import exact_min_peak
+from fxmem.solve.recompute.greedy import greedy_min_peak
+from fxmem.solve.recompute.layered import layered_min_peak
+from fxmem.solve.recompute.layers import find_layers
+
+EXACT_CANDIDATES = 200
+GREEDY_MIN_S = 1.0  # the greedy descent gets this long however short the limit: it stops at its local minimum
+
+
+@dataclass(frozen=True)
+class LeastPeak:
+    """`peak` bytes reached by `recompute`; no decision is below `lower_bound`; `proven` when
+    `peak` is the least there is. `method` names the search that found it."""
+
+    peak: int
+    recompute: frozenset[int]
+    lower_bound: int
+    proven: bool
+    method: str
+
+    @property
+    def gap(self) -> float:
+        """How far the peak may be above the least, as a fraction of the lower bound."""
+        return 0.0 if self.proven else (self.peak - self.lower_bound) / max(1, self.lower_bound)
+
+
+def least_peak(problem: MemoryProblem, time_limit_s: float = 10.0) -> LeastPeak:
+    """The least peak found within about `time_limit_s` seconds, or `GREEDY_MIN_S` if that is longer
+    (see the module docstring).
+    Raises ValueError when no decision is valid at all."""
+    deadline = time.perf_counter() + time_limit_s
+    left = lambda: max(0.01, deadline - time.perf_counter())  # noqa: E731
+    bound = peak_lower_bound(problem)
+    found: list[tuple[int, int, str, frozenset[int]]] = []
+
+    def offer(rec: frozenset[int] | None, method: str) -> None:
+        if rec is not None and is_valid(problem, rec):
+            found.append((peak_bytes(problem, rec), recompute_cost(problem, rec), method, frozenset(rec)))
+
+    offer(greedy_min_peak(problem, max(GREEDY_MIN_S, time_limit_s / 4)), "greedy")
+    layers = find_layers(problem) if problem.num_values > EXACT_CANDIDATES else None
+    if layers is not None:
+        layered = layered_min_peak(problem, left() / 2, layers)
+        offer(layered[1] if layered else None, "layered")
+    proved_peak = None  # the exact program's peak, when it proved it least
+    if not found or min(found)[0] > bound:
+        if problem.num_values <= EXACT_CANDIDATES:
+            exact = exact_min_peak(problem, left())
+            if exact is not None:
+                offer(exact[1], "exact")
+                proved_peak = exact[0] if exact[2] else None
+        else:
+            hint = min(found)[3] if found else None
+            cpsat = cpsat_min_peak(problem, left(), hint=hint)
+            offer(cpsat[1] if cpsat else None, "cpsat")
+    if not found:
+        raise ValueError("no valid decision: some value can be neither saved nor recomputed")
+    peak, _, method, rec = min(found)
+    proven = peak == proved_peak or peak <= bound
+    return LeastPeak(peak=peak, recompute=rec, lower_bound=min(bound, peak), proven=proven, method=method)

@@ -34,24 +34,25 @@ def _handlers_under(name: str) -> list[logging.Handler]:
 
 @contextlib.contextmanager
 def held_output(logger: str = "torch") -> Iterator[None]:
-    """Collect stderr and the records `logger`'s handlers would write; replay them unless an exception
-    leaves the block, which then carries them as `torch_output` (a string)."""
-    handlers = _handlers_under(logger)
-    collect, text = _Collect(), io.StringIO()
-    for handler in handlers:
+    """Collect stderr and the records `logger`'s handlers would write; replay them, each to the handler
+    that held it back, unless an exception leaves the block, which then carries them as `torch_output`
+    (a string)."""
+    held = [(handler, _Collect()) for handler in _handlers_under(logger)]
+    text = io.StringIO()
+    for handler, collect in held:
         handler.addFilter(collect)
     try:
         with contextlib.redirect_stderr(text):
             yield
     except Exception as exc:
-        lines = [text.getvalue()] + [f"{r.levelname} {r.name}: {r.getMessage()}\n" for r in collect.records]
+        records = {id(r): r for _, collect in held for r in collect.records}.values()
+        lines = [text.getvalue()] + [f"{r.levelname} {r.name}: {r.getMessage()}\n" for r in records]
         exc.torch_output = "".join(lines)  # type: ignore[attr-defined]
         raise
     finally:
-        for handler in handlers:
+        for handler, collect in held:
             handler.removeFilter(collect)
     sys.stderr.write(text.getvalue())
-    for record in collect.records:  # to the handlers that held them back
-        for handler in handlers:
-            if record.levelno >= handler.level:
-                handler.handle(record)
+    for handler, collect in held:  # each record to the handler that held it back
+        for record in collect.records:
+            handler.handle(record)

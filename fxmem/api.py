@@ -7,7 +7,7 @@ a progress line on stderr while planning on a terminal (`fxmem.progress.planning
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -21,6 +21,7 @@ from fxmem.plan import Plan
 from fxmem.planner import PlanRequest
 from fxmem.progress import planning
 from fxmem.report import short_signature
+from fxmem.step_module import LossStep
 
 POOL_MODES = (False, True, "all")
 
@@ -65,8 +66,9 @@ def make_request(model: torch.nn.Module, args: tuple, kwargs: dict, *, budget: i
     `calibrate` None: time the kernels when the model is on a GPU (the device it will train on)."""
     if calibrate is None:
         calibrate = model_device(model).type == "cuda"
+    name = model.display_name if isinstance(model, LossStep) else type(model).__qualname__
     return PlanRequest(budget_bytes=plan.budget_bytes if plan is not None else budget, plan=plan, device=device,
-                       solver=solver, time_limit_s=time_limit_s, model=type(model).__qualname__,
+                       solver=solver, time_limit_s=time_limit_s, model=name,
                        signature=signature_of(model, args, kwargs), offload=bool(offload), pool=pool,
                        calibrate=bool(calibrate))
 
@@ -76,7 +78,8 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
          solver: str = "auto", time_limit_s: float = 10.0, offload: bool = False,
          target: DeviceSpec | str | None = None, pool: bool | str = False, num_stages: int | None = None,
          schedule: str = "1f1b", n_microbatches: int | None = None, optimizer: str | float | None = None,
-         calibrate: bool | None = None) -> Plan:
+         calibrate: bool | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+         example_target: Any = None, keep_outputs: bool = False) -> Plan:
     """Plan a training step of `model` on `example_inputs` under `budget_gb` without running it
     (fake tensors only). Without a budget the plan keeps everything (the eager step).
     `target` (same as `device`): the device to plan for, which need not be present; with
@@ -86,8 +89,14 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
     With `num_stages`, `example_inputs` is one microbatch and `budget_gb` is per pipeline stage:
     see `fxmem.pipeline` (`schedule` "1f1b" or "gpipe", `n_microbatches`, `optimizer` state).
     `calibrate`: price each kernel by timing it on the device here (default: when the model is on a
-    GPU); otherwise, and for kernels it cannot time, the target's roofline prices them."""
+    GPU); otherwise, and for kernels it cannot time, the target's roofline prices them.
+    `loss_fn`: plan the step `loss_fn(model(*example_inputs), example_target)` as a whole (see
+    `fxmem.step_module`); the model's outputs are held after the loss only with `keep_outputs`."""
     args, kwargs = example_args(example_inputs), dict(example_kwargs or {})
+    if loss_fn is not None:
+        model, kwargs = LossStep(model, loss_fn, keep_outputs), {**kwargs, "target": example_target}
+    elif example_target is not None or keep_outputs:
+        raise ValueError("example_target= and keep_outputs= go with loss_fn=")
     budget = budget_bytes(budget_gb)
     check_pool(pool)
     request = make_request(model, args, kwargs, budget=budget, device=device_spec(target or device, offload, model),
@@ -107,15 +116,24 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
              device: DeviceSpec | str | None = None, solver: str = "auto",
              time_limit_s: float = 10.0, offload: bool = False, target: DeviceSpec | str | None = None,
              devices: Sequence[str] | None = None, pool: bool | str = False,
-             calibrate: bool | None = None) -> OptimizedModule | PlacedModule:
+             calibrate: bool | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+             keep_outputs: bool = False) -> OptimizedModule | PlacedModule:
     """A module that trains like `model` with its step planned under `budget_gb` (planned lazily at the
     first call, from the real inputs; re-planned per input signature), or running a given `plan`.
     `offload=True` lets the planner copy saved values to host memory (see `plan`); `devices` places
     contiguous regions of the model on several devices, `budget_gb` per device. With `pool`, each
     forward and backward graph allocates one arena for its intermediates (passes/pool.py):
     `pool=True` those whose pooling does not raise the graph's peak, `pool="all"` every one; the
-    plans in `.plans` then carry the pool's stats. `calibrate`: see `plan`."""
+    plans in `.plans` then carry the pool's stats. `calibrate`: see `plan`. With `loss_fn`, the module
+    is called as `loss = opt(*inputs, target=y)`, which is `loss_fn(model(*inputs), y)` planned as one
+    step (with `keep_outputs`, `(loss, outputs)`)."""
     check_pool(pool)
+    if loss_fn is not None:
+        if devices is not None:
+            raise ValueError("loss_fn= is not supported together with devices=[...] yet")
+        model = LossStep(model, loss_fn, keep_outputs)
+    elif keep_outputs:
+        raise ValueError("keep_outputs= goes with loss_fn=")
     time_limit_s = check_time_limit(time_limit_s)
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"plan must be an fxmem.Plan (see fxmem.Plan.load), got {type(plan).__name__}")

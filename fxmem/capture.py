@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from fxmem.errors import TraceError
+from fxmem.errors import FxmemError, TraceError
 from fxmem.torch_output import held_output
 
 METHODS = ("auto", "symbolic_trace", "export")
@@ -72,13 +72,15 @@ def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, method: str) -> 
         except TraceError:
             if method == "symbolic_trace":
                 raise
+        except FxmemError:  # the user's own code refused (e.g. a loss_fn that returns no scalar)
+            raise
         except Exception as exc:  # symbolic_trace fails on many real models: fall back to export
             if method == "symbolic_trace":
                 raise _explain(exc) from exc
             first_error = exc
     try:
         gm = _export(model, args, kwargs)
-    except TraceError:
+    except FxmemError:
         raise
     except Exception as exc:
         raise _explain(exc, first_error) from exc

@@ -1,0 +1,127 @@
+"""The user's loss in the plan (`loss_fn`): `opt(x, target=y)` trains exactly like
+`loss_fn(model(x), y).backward()` in eager, the loss region is planned (measured peak within budget),
+and outputs the loss does not read get no gradient."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxmem
+from fxmem import models
+from fxmem.measure import measure_peak_bytes
+from fxmem.step_module import LossStep
+from tests.conftest import GIB
+
+
+def _ce(out, target):
+    logits = out if isinstance(out, torch.Tensor) else out.logits
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def _eager_step(model, x, y, seed=1234):
+    torch.manual_seed(seed)
+    for p in model.parameters():
+        p.grad = None
+    loss = _ce(model(x), y)
+    loss.backward()
+    return loss
+
+
+def _assert_same_step(reference, optimized, model, x, y):
+    expected = _eager_step(reference, x, y)
+    torch.manual_seed(1234)
+    for p in model.parameters():
+        p.grad = None
+    loss = optimized(x, target=y)
+    loss.backward()
+    torch.testing.assert_close(loss, expected, atol=0, rtol=0)
+    ref = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        assert (p.grad is None) == (ref[name].grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, ref[name].grad, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+def _hf_gpt2():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=64, use_cache=False)
+    return transformers.GPT2LMHeadModel(config), torch.randint(0, 512, (4, 64)), torch.randint(0, 512, (4, 64))
+
+
+def _zoo_gpt():
+    torch.manual_seed(0)
+    model = models.from_name("gpt-tiny")
+    x, y = models.example_inputs("gpt-tiny")
+    return model, x, y
+
+
+@pytest.mark.parametrize("build", [_zoo_gpt, _hf_gpt2], ids=["gpt-tiny", "hf-gpt2"])
+def test_loss_outside_trains_like_eager_within_budget(build):
+    model, x, y = build()
+    eager = fxmem.plan(model, (x,), loss_fn=_ce, example_target=y)
+    assert "+ loss" in eager.model and "target=" in eager.signature
+    with pytest.raises(fxmem.InfeasibleBudgetError) as info:
+        fxmem.plan(model, (x,), budget_gb=1e-6, loss_fn=_ce, example_target=y, time_limit_s=2)
+    lowest = info.value.min_budget_bytes
+    for fraction in (0.6, 0.2):
+        budget = int(lowest + fraction * (eager.baseline_peak_bytes - lowest))
+        reference = copy.deepcopy(model)
+        optimized = fxmem.optimize(model, budget_gb=budget / GIB, loss_fn=_ce, time_limit_s=2)
+        _assert_same_step(reference, optimized, model, x, y)
+        measured = measure_peak_bytes(optimized, (x,), {"target": y})
+        assert measured <= budget, f"measured {measured} > budget {budget}"
+        (plan,) = optimized.plans
+        assert abs(plan.predicted_peak_bytes - measured) <= 0.02 * measured
+
+
+def test_the_loss_region_is_in_the_budget_and_eager_budget_is_never_worse():
+    """The loss's memory is part of the planned step; a budget at PyTorch eager's measured peak for the
+    step (loss outside the model, as users write it) measures no more than eager."""
+    model, x, y = _hf_gpt2()
+    alone = fxmem.plan(model, (x,))
+    with_loss = fxmem.plan(model, (x,), loss_fn=_ce, example_target=y)
+    assert with_loss.baseline_peak_bytes > alone.baseline_peak_bytes
+    eager = measure_peak_bytes(LossStep(copy.deepcopy(model), _ce), (x,), {"target": y})
+    optimized = fxmem.optimize(model, budget_gb=eager / GIB, loss_fn=_ce)
+    assert measure_peak_bytes(optimized, (x,), {"target": y}) <= eager
+
+
+def test_unread_outputs_get_no_gradient():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=32)
+    model = transformers.BertModel(config)
+    ids = torch.randint(0, 128, (2, 16))
+    target = torch.randn(2, 16, 32)
+
+    def on_hidden(out, t):
+        return F.mse_loss(out.last_hidden_state, t)
+
+    reference = copy.deepcopy(model)
+    torch.manual_seed(1)
+    on_hidden(reference(ids), target).backward()
+    optimized = fxmem.optimize(model, budget_gb=1.0, loss_fn=on_hidden)
+    torch.manual_seed(1)
+    optimized(ids, target=target).backward()
+    ref = dict(reference.named_parameters())
+    assert ref["pooler.dense.weight"].grad is None
+    for name, p in model.named_parameters():
+        assert (p.grad is None) == (ref[name].grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, ref[name].grad, msg=lambda m: f"{name}: {m}")
+
+
+def test_keep_outputs_returns_them_and_bad_loss_is_clear():
+    model, x, y = _zoo_gpt()
+    optimized = fxmem.optimize(model, budget_gb=1.0, loss_fn=_ce, keep_outputs=True)
+    loss, logits = optimized(x, target=y)
+    torch.testing.assert_close(loss, _ce(logits, y))
+    with pytest.raises(ValueError, match="one element"):
+        fxmem.optimize(copy.deepcopy(model), budget_gb=1.0, loss_fn=lambda out, t: out)(x, target=y)
+    with pytest.raises(ValueError, match="go with loss_fn"):
+        fxmem.plan(model, (x,), example_target=y)

@@ -1,0 +1,85 @@
+#!/usr/bin/env python
+"""The user's loss in the plan: a transformers GPT-2 trained with cross-entropy outside the model, planned
+without and with `loss_fn`, each measured (MemTracker on CPU, max_memory_allocated on CUDA) against
+its budget and against PyTorch eager. Prints a markdown table.
+
+examples:
+  python scripts/bench_step.py                      # GPT-2 6 x 512, vocab 50257, batch 4 x 512
+  python scripts/bench_step.py --layers 2 --batch-size 1 --seq-len 256 --fractions 0.8 0.5
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import torch
+import torch.nn.functional as F
+from tabulate import tabulate
+
+import fxmem
+from fxmem.measure import measure_peak_bytes
+from fxmem.step_module import LossStep
+
+MIB = 2**20
+
+
+def cross_entropy(out, target):
+    return F.cross_entropy(out.logits.flatten(0, 1), target.flatten())
+
+
+class _LossOutside(torch.nn.Module):
+    """What a user runs when only the model is optimized: loss_fn(optimized(x), y)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x, target):
+        return cross_entropy(self.inner(x), target)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import transformers
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--fractions", type=float, nargs="+", default=[0.8, 0.6], help="budgets as fractions of eager's peak")
+    args = p.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=args.width // 64,
+                                     vocab_size=50257, n_positions=args.seq_len, use_cache=False)
+    model = transformers.GPT2LMHeadModel(config).to(device)
+    x = torch.randint(0, 50257, (args.batch_size, args.seq_len), device=device)
+    y = torch.randint(0, 50257, (args.batch_size, args.seq_len), device=device)
+    eager = measure_peak_bytes(LossStep(copy.deepcopy(model), cross_entropy), (x,), {"target": y})
+    rows = [{"method": "eager", "budget MiB": "", "measured MiB": f"{eager / MIB:.1f}", "within budget": ""}]
+    for fraction in args.fractions:
+        budget = int(fraction * eager)
+        started = time.perf_counter()
+        for label, build, kwargs in (
+                ("model only, loss outside", lambda m: _LossOutside(fxmem.optimize(m, budget_gb=budget / 2**30)),
+                 None),
+                ("loss_fn", lambda m: fxmem.optimize(m, budget_gb=budget / 2**30, loss_fn=cross_entropy), "target")):
+            row = {"method": f"{label}, {fraction:.2f} x eager", "budget MiB": f"{budget / MIB:.1f}"}
+            module = build(copy.deepcopy(model))
+            try:
+                measured = measure_peak_bytes(module, (x,), {"target": y}) if kwargs else measure_peak_bytes(module, (x, y))
+            except fxmem.InfeasibleBudgetError as exc:
+                rows.append({**row, "measured MiB": f"refused: least {exc.min_budget_bytes / MIB:.1f}", "within budget": ""})
+                continue
+            plans = module.plans if kwargs else module.inner.plans
+            rows.append({**row, "measured MiB": f"{measured / MIB:.1f} (predicted {plans[0].predicted_peak_bytes / MIB:.1f})",
+                         "within budget": measured <= budget})
+        print(f"{fraction:.2f}: {time.perf_counter() - started:.0f} s", flush=True)
+    print(f"\nGPT-2 {args.layers} x {args.width}, vocab 50257, batch {args.batch_size} x {args.seq_len}, {device}\n")
+    print(tabulate(rows, headers="keys", tablefmt="github"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -156,7 +156,13 @@ class Planner:
         start = time.perf_counter()
         chosen, solution, min_budget = eager, None, None
         if budget is not None and eager.timeline.peak + safety_bytes(budget) > budget:
-            chosen, solution, min_budget = self._fit_both(joint, lowered, split, budget)
+            try:
+                chosen, solution, min_budget = self._fit_both(joint, lowered, split, budget)
+            except InfeasibleBudgetError:
+                if eager.timeline.peak > budget:
+                    raise
+                # nothing fits under the margin, but the step as PyTorch runs it fits the budget itself
+                log.info("no plan under the margin; the eager step fits the budget: keeping everything")
         solve_time = time.perf_counter() - start
         saved = [n.name for n in chosen.bw.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
         recomputed = _recomputed(chosen, split, self._views)

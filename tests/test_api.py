@@ -156,3 +156,18 @@ def test_inplace_ops_and_views_train_exactly():
     reference = copy.deepcopy(model)
     assert_trains_like(reference, fxmem.optimize(model, plan=plan), inputs)
     assert model.steps.item() == reference.steps.item() == 1
+
+
+def test_budget_at_the_eager_peak_is_met_by_the_eager_step():
+    """A budget equal to the step's eager peak is never refused for the planner's safety margin: the
+    step as PyTorch runs it fits (a single Linear has nothing to recompute)."""
+    from fxmem.step_module import LossStep
+
+    torch.manual_seed(0)
+    model, x, y = torch.nn.Linear(256, 256), torch.randn(64, 256), torch.randn(64, 256)
+    mse = torch.nn.functional.mse_loss
+    eager = measure_peak_bytes(LossStep(copy.deepcopy(model), mse), (x,), {"target": y})
+    plan = fxmem.plan(model, (x,), budget_gb=eager / GIB, loss_fn=mse, example_target=y)
+    assert plan.predicted_peak_bytes <= eager and not plan.recompute
+    optimized = fxmem.optimize(model, plan=plan, loss_fn=mse)
+    assert measure_peak_bytes(optimized, (x,), {"target": y}) <= eager

@@ -15,6 +15,7 @@ from fxmem.budget import budget_bytes, per_device_budgets
 from fxmem.capture import example_args
 from fxmem.cost import DeviceSpec, preset_for
 from fxmem.engine import OptimizedModule, plan_step, signature_of
+from fxmem.optimizer_state import model_state_bytes
 from fxmem.pipeline import PipelineRequest, plan_pipeline
 from fxmem.placement import PlacedModule, check_devices
 from fxmem.plan import Plan
@@ -61,7 +62,7 @@ def model_device(model: torch.nn.Module | None) -> torch.device:
 
 def make_request(model: torch.nn.Module, args: tuple, kwargs: dict, *, budget: int | None, device: DeviceSpec,
                  solver: str, time_limit_s: float, offload: bool = False, pool: bool | str = False,
-                 plan: Plan | None = None, calibrate: bool | None = None) -> PlanRequest:
+                 plan: Plan | None = None, calibrate: bool | None = None, optimizer: Any = None) -> PlanRequest:
     """What to plan for one input signature of `model` (budget in bytes, None: keep everything).
     `calibrate` None: time the kernels when the model is on a GPU (the device it will train on)."""
     if calibrate is None:
@@ -70,7 +71,7 @@ def make_request(model: torch.nn.Module, args: tuple, kwargs: dict, *, budget: i
     return PlanRequest(budget_bytes=plan.budget_bytes if plan is not None else budget, plan=plan, device=device,
                        solver=solver, time_limit_s=time_limit_s, model=name,
                        signature=signature_of(model, args, kwargs), offload=bool(offload), pool=pool,
-                       calibrate=bool(calibrate))
+                       calibrate=bool(calibrate), resident_bytes=model_state_bytes(optimizer, model))
 
 
 def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: float | None = None, *,
@@ -90,6 +91,9 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
     see `fxmem.pipeline` (`schedule` "1f1b" or "gpipe", `n_microbatches`, `optimizer` state).
     `calibrate`: price each kernel by timing it on the device here (default: when the model is on a
     GPU); otherwise, and for kernels it cannot time, the target's roofline prices them.
+    `optimizer` (an optimizer, a name such as "adamw", or state bytes per parameter byte): its state is
+    on the device for the whole step, so it is counted in the budget (so `budget_gb` can be the
+    GPU's memory); with `num_stages`, per stage.
     `loss_fn`: plan the step `loss_fn(model(*example_inputs), example_target)` as a whole (see
     `fxmem.step_module`); the model's outputs are held after the loss only with `keep_outputs`."""
     args, kwargs = example_args(example_inputs), dict(example_kwargs or {})
@@ -101,7 +105,7 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
     check_pool(pool)
     request = make_request(model, args, kwargs, budget=budget, device=device_spec(target or device, offload, model),
                            solver=solver, time_limit_s=check_time_limit(time_limit_s), offload=offload, pool=pool,
-                           calibrate=calibrate)
+                           calibrate=calibrate, optimizer=None if num_stages is not None else optimizer)
     if num_stages is not None and (offload or pool):
         raise ValueError("num_stages= plans pipeline stages; offload= and pool= apply to one device's step, "
                          "not yet to pipeline stages")
@@ -117,7 +121,7 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
              time_limit_s: float = 10.0, offload: bool = False, target: DeviceSpec | str | None = None,
              devices: Sequence[str] | None = None, pool: bool | str = False,
              calibrate: bool | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-             keep_outputs: bool = False) -> OptimizedModule | PlacedModule:
+             keep_outputs: bool = False, optimizer: Any = None) -> OptimizedModule | PlacedModule:
     """A module that trains like `model` with its step planned under `budget_gb` (planned lazily at the
     first call, from the real inputs; re-planned per input signature), or running a given `plan`.
     `offload=True` lets the planner copy saved values to host memory (see `plan`); `devices` places
@@ -126,7 +130,7 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
     `pool=True` those whose pooling does not raise the graph's peak, `pool="all"` every one; the
     plans in `.plans` then carry the pool's stats. `calibrate`: see `plan`. With `loss_fn`, the module
     is called as `loss = opt(*inputs, target=y)`, which is `loss_fn(model(*inputs), y)` planned as one
-    step (with `keep_outputs`, `(loss, outputs)`)."""
+    step (with `keep_outputs`, `(loss, outputs)`). `optimizer`: its state counts in the budget (see `plan`)."""
     check_pool(pool)
     if loss_fn is not None:
         if devices is not None:
@@ -155,6 +159,7 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
 
     def request_for(args: tuple, kwargs: dict) -> PlanRequest:
         return make_request(model, args, kwargs, budget=budget, device=spec, solver=solver,
-                            time_limit_s=time_limit_s, offload=offload, pool=pool, plan=plan, calibrate=calibrate)
+                            time_limit_s=time_limit_s, offload=offload, pool=pool, plan=plan, calibrate=calibrate,
+                            optimizer=optimizer)
 
     return OptimizedModule(model, request_for)

@@ -73,3 +73,14 @@ def state_bytes(optimizer: Any) -> int:
     return sum(tensors_per_param(kind, group) * sum(p.numel() * p.element_size()
                                                      for p in group["params"] if p.requires_grad)
                for group in optimizer.param_groups)
+
+
+def model_state_bytes(optimizer: Any, model: Any) -> int:
+    """Bytes of `optimizer`'s state for `model`: an optimizer instance as `state_bytes` counts it; a name
+    or bytes per parameter byte applied to the model's trainable parameters (shared ones once)."""
+    if optimizer is None:
+        return 0
+    if hasattr(optimizer, "param_groups"):
+        return state_bytes(optimizer)
+    trainable = unique_bytes(p for p in model.parameters() if p.requires_grad)
+    return int(bytes_per_param_byte(optimizer) * trainable)

@@ -19,6 +19,7 @@ import torch.fx
 
 from fxmem.cost import DEVICE_PRESETS, HOST_LINKS, CostTable, DeviceSpec, estimate
 from fxmem.errors import InfeasibleBudgetError, fmt_bytes
+from fxmem.resident import refusal_with_resident, with_resident
 from fxmem.kernel_timer import KernelTimer
 from fxmem.memory import EXACT, AllocatorModel, MemoryTimeline, simulate_step, storages_of
 from fxmem.plan import NodeRow, Plan, PoolSection, graph_fingerprint
@@ -63,6 +64,7 @@ class PlanRequest:
     offload_min_bytes: int = OFFLOAD_MIN_BYTES
     pool: bool | str = False
     calibrate: bool = False  # time the graph's kernels on the device here (fxmem.kernel_timer)
+    resident_bytes: int = 0  # on the device for the whole step besides the graphs: the optimizer's state
 
 
 @dataclass(frozen=True)
@@ -140,8 +142,20 @@ class Planner:
                           frozenset(offloaded))
 
     def _make_plan(self, joint: torch.fx.GraphModule, fingerprint: str) -> Plan:
+        """The plan for the budget less the resident bytes (`fxmem.resident`), stated for the whole budget."""
+        budget, resident = self.request.budget_bytes, self.request.resident_bytes
+        if not resident:
+            return self._plan_within(joint, fingerprint, budget)
+        if budget is not None and budget <= resident:
+            raise InfeasibleBudgetError(budget, resident + 1, {"optimizer state": resident})
+        try:
+            plan = self._plan_within(joint, fingerprint, None if budget is None else budget - resident)
+        except InfeasibleBudgetError as exc:
+            raise refusal_with_resident(exc, resident, budget) from None
+        return with_resident(plan, resident, budget)
+
+    def _plan_within(self, joint: torch.fx.GraphModule, fingerprint: str, budget: int | None) -> Plan:
         request = self.request
-        budget = request.budget_bytes
         split = split_joint(joint, self.num_fwd_outputs)
         timer = KernelTimer(_graph_device(joint)) if request.calibrate else None
         costs = estimate(joint, request.device, backward=set(split.backward), timer=timer and timer.seconds)

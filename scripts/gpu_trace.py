@@ -134,7 +134,7 @@ def plan_graphs(model, inputs, budget: int | None, device):
             return self.graphs
 
     request = make_request(model, tuple(inputs), {}, budget=budget, device=device, solver="auto",
-                           time_limit_s=10.0, calibrate=False)
+                           time_limit_s=30.0, calibrate=False)  # generous: the recorded plans came unhurried
     planner = Recording(request)
     trace_on_fakes(CompiledStep(model, capture(model, inputs, {}), planner), model, inputs, {})
     return planner.plan, planner.graphs

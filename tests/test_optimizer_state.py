@@ -62,3 +62,38 @@ def test_names_mean_what_their_optimizers_allocate(name):
 def test_bad_optimizer_names_are_refused(bad):
     with pytest.raises(ValueError, match="optimizer must be one of"):
         bytes_per_param_byte(bad)
+
+
+def test_optimizer_state_counts_in_the_step_budget():
+    """With optimizer=, its state is in the plan's peaks and the budget: the step plus the state,
+    measured by MemTracker with the optimizer tracked, stays within the budget."""
+    import copy
+
+    import fxmem
+    from fxmem import models
+    from fxmem.measure import _StepTracker, training_step
+
+    torch.manual_seed(0)
+    model, (x, y) = models.from_name("gpt-tiny"), models.example_inputs("gpt-tiny")
+    optimizer = torch.optim.AdamW(model.parameters())
+    state = state_bytes(optimizer)
+    alone = fxmem.plan(model, (x, y))
+    with_state = fxmem.plan(model, (x, y), optimizer=optimizer)
+    assert with_state.optimizer_state_bytes == state == 2 * sum(p.numel() * 4 for p in model.parameters())
+    assert with_state.predicted_peak_bytes == alone.predicted_peak_bytes + state
+    assert fxmem.plan(model, (x, y), optimizer="adamw").optimizer_state_bytes == state
+    assert "optimizer state" in with_state.table()
+    budget = alone.predicted_peak_bytes  # fits the step alone, not with the state: recompute makes room
+    optimized = fxmem.optimize(copy.deepcopy(model), budget_gb=budget / 2**30, optimizer="adamw")
+    opt = torch.optim.AdamW(optimized.parameters())
+    training_step(optimized, (x, y))
+    opt.step()  # the state now exists, as in training
+    opt.zero_grad(set_to_none=True)
+    tracker = _StepTracker()
+    tracker.track_external(optimized, opt, x, y)
+    with tracker:
+        training_step(optimized, (x, y))
+    measured = max(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
+    assert optimized.plans[0].recompute and measured <= budget
+    with pytest.raises(fxmem.InfeasibleBudgetError, match="optimizer state"):
+        fxmem.plan(model, (x, y), budget_gb=state / 2**30, optimizer=optimizer)

@@ -7,6 +7,8 @@ Writes `meta["val"]` (a FakeTensor) on every node and `gm.meta["fxmem"]["capture
 from __future__ import annotations
 
 import inspect
+import os
+import re
 from typing import Any, Sequence
 
 import torch
@@ -16,6 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from fxmem.cost import module_path
 from fxmem.errors import FxmemError, TraceError
 from fxmem.torch_output import held_output
 
@@ -236,3 +239,21 @@ def _innermost_user_frame(exc: BaseException) -> str:
             last = f" at {filename}:{tb.tb_lineno} in {tb.tb_frame.f_code.co_name}"
         tb = tb.tb_next
     return last or ""
+
+
+def data_dependent_error(exc: Exception, gm: torch.fx.GraphModule) -> TraceError:
+    """One line for an op whose output shape depends on the data (`nonzero`, boolean indexing,
+    `masked_select`): the op, the module and the source line, and what to write instead."""
+    text = str(exc)
+    op = text.split("\n", 1)[0].strip() or type(exc).__name__
+    node_name = re.search(r"While executing %(\w+)", text)
+    node = next((n for n in gm.graph.nodes if node_name and n.name == node_name.group(1)), None)
+    where = f"module {module_path(node)}" if node is not None and module_path(node) else ""
+    frames = [f for f in re.findall(r'File "([^"]+)", line (\d+), in \w+\n\s*(.+)', text)
+              if not any(part in f[0] for part in ("/torch/", "/fxmem/"))]
+    line = f" at {os.path.basename(frames[-1][0])}:{frames[-1][1]} ({frames[-1][2].strip()})" if frames else ""
+    where = where or "the model's own forward"
+    return TraceError(f"{op} has an output whose shape depends on the data, in {where}{line}; "
+                      "fxmem plans graphs of known shapes",
+                      "write it with a fixed shape (torch.where(mask, x, 0) instead of x[mask], a padded "
+                      "index instead of nonzero()), or compute it outside the optimized module")

@@ -19,9 +19,9 @@ import torch.utils._pytree as pytree
 from functorch.compile import aot_function
 from torch._dynamo.backends.debugging import boxed_nop
 from torch._dynamo.eval_frame import _set_in_optimized_module
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 
-from fxmem.capture import capture, flat_graph_inputs, structure_outputs
+from fxmem.capture import capture, data_dependent_error, flat_graph_inputs, structure_outputs
 from fxmem.plan import Plan
 from fxmem.planner import Planner, PlanRequest
 from fxmem.progress import planning
@@ -75,7 +75,10 @@ class CompiledStep:
     def __call__(self, state: dict[str, torch.Tensor], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         flat = flat_graph_inputs(self.gm, args, kwargs)
         graph_state = {n: state[n] for n in self.state_names} | {n: state.get(n, c) for n, c in self.constants.items()}
-        tensors = iter(self.compiled(graph_state, *flat))
+        try:
+            tensors = iter(self.compiled(graph_state, *flat))
+        except (DynamicOutputShapeException, DataDependentOutputException) as exc:
+            raise data_dependent_error(exc, self.gm) from None
         leaves = [next(tensors) if c is None else c for c in self.out_consts]
         return pytree.tree_unflatten(leaves, self.out_spec)
 

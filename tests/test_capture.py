@@ -72,3 +72,34 @@ def test_capture_restores_buffers():
 def test_not_a_module():
     with pytest.raises(TypeError, match="nn.Module"):
         capture(lambda x: x, (torch.randn(2),))
+
+
+class _BooleanMask(torch.nn.Module):
+    def forward(self, h):
+        return h[h > 0]
+
+
+class _MaskedModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj, self.mask = torch.nn.Linear(8, 8), _BooleanMask()
+
+    def forward(self, x):
+        return self.mask(self.proj(x)).sum()
+
+
+@pytest.mark.parametrize("how", ["plan", "optimize"])
+def test_data_dependent_shape_is_one_line_naming_op_module_and_line(how):
+    import fxmem
+    from fxmem.errors import TraceError
+
+    model, x = _MaskedModel(), torch.randn(4, 8)
+    with pytest.raises(TraceError) as info:
+        if how == "plan":
+            fxmem.plan(model, (x,), budget_gb=1.0)
+        else:
+            fxmem.optimize(model, budget_gb=1.0)(x)
+    text = str(info.value)
+    assert "\n" not in text
+    assert "aten.nonzero" in text and "module mask" in text and "test_capture.py" in text and "h[h > 0]" in text
+    assert "torch.where" in text

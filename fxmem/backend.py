@@ -28,7 +28,7 @@ import torch
 
 from fxmem.budget import budget_bytes
 from fxmem.cost import DeviceSpec, preset_for
-from fxmem.engine import describe_input
+from fxmem.capture import describe_input
 from fxmem.errors import GIB, InfeasibleBudgetError
 from fxmem.plan import Plan
 from fxmem.planner import Planner, PlanRequest
@@ -48,6 +48,7 @@ class GraphRecord:
     budget_bytes: int
     plan: Plan | None = None
     path: str | None = None
+    calls: int = 0  # forward calls of this graph so far (a loop with a graph break calls one graph per layer)
 
     @property
     def kept_bytes(self) -> int:
@@ -217,11 +218,21 @@ def fxmem_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], optio
     planner = _RecordingPlanner(request, ledger, record, reserved, options)
     if inner == "inductor":
         try:
-            return _compile_inductor(gm, example_inputs, planner)
+            return _counted(_compile_inductor(gm, example_inputs, planner), record)
         except ImportError as exc:  # pragma: no cover - inductor missing from this build
             warnings.warn(f"fxmem backend: Inductor unavailable ({exc}); running the planned graphs with "
                           "aot_eager instead (the budget still applies)", stacklevel=2)
-    return _compile_aot_eager(gm, example_inputs, planner)
+    return _counted(_compile_aot_eager(gm, example_inputs, planner), record)
+
+
+def _counted(compiled: Callable[..., Any], record: GraphRecord) -> Callable[..., Any]:
+    """`compiled`, counting its calls in `record` (`fxmem.dynamo_step` checks for graphs run twice a step)."""
+    def run(*args: Any) -> Any:
+        record.calls += 1
+        return compiled(*args)
+
+    run._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
+    return run
 
 
 def _input_device(example_inputs: Sequence[Any]) -> DeviceSpec:

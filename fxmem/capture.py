@@ -6,7 +6,9 @@ Writes `meta["val"]` (a FakeTensor) on every node and `gm.meta["fxmem"]["capture
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
+import random
 import os
 import re
 from typing import Any, Sequence
@@ -27,13 +29,15 @@ METHODS = ("auto", "symbolic_trace", "export")
 
 def capture(model: torch.nn.Module, example_inputs: Sequence[Any] = (),
             example_kwargs: dict[str, Any] | None = None, *, method: str = "auto") -> torch.fx.GraphModule:
-    """Capture `model` as a GraphModule whose parameters and buffers are the model's own tensors."""
+    """Capture `model` as a GraphModule whose parameters and buffers are the model's own tensors.
+    Tracing runs forward; the buffers it updates and the random numbers it draws are given back, so the
+    step that follows (or Dynamo's, where this capture fails) sees what eager would."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fxmem captures torch.nn.Module instances, got {type(model).__name__}")
     if method not in METHODS:
         raise ValueError(f"capture method {method!r} is not one of {METHODS}")
     args, kwargs = example_args(example_inputs), dict(example_kwargs or {})
-    with _restored_buffers(model):
+    with _restored_buffers(model), torch.random.fork_rng(devices=_cuda_devices()), _restored_python_rng():
         gm = _capture(model, args, kwargs, method)
     _constants_as_buffers(gm)
     return gm
@@ -181,6 +185,19 @@ def _check_same_outputs(model: torch.nn.Module, gm: torch.fx.GraphModule, args: 
         raise ValueError("symbolic_trace changed the model's outputs")
 
 
+def _cuda_devices() -> list[int]:
+    return list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+
+
+@contextlib.contextmanager
+def _restored_python_rng():
+    state = random.getstate()
+    try:
+        yield
+    finally:
+        random.setstate(state)
+
+
 class _restored_buffers:
     """Put buffer values back after fake runs: FakeTensorMode lets in-place updates of 0-dim CPU
     buffers (BatchNorm's num_batches_tracked += 1) through to the real tensor."""
@@ -257,3 +274,11 @@ def data_dependent_error(exc: Exception, gm: torch.fx.GraphModule) -> TraceError
                       "fxmem plans graphs of known shapes",
                       "write it with a fixed shape (torch.where(mask, x, 0) instead of x[mask], a padded "
                       "index instead of nonzero()), or compute it outside the optimized module")
+
+
+def describe_input(x: Any) -> str:
+    """`float32[8,32]+grad` for a tensor, repr otherwise."""
+    if isinstance(x, torch.Tensor):
+        dtype = str(x.dtype).replace("torch.", "")
+        return f"{dtype}[{','.join(map(str, x.shape))}]" + ("+grad" if x.requires_grad else "")
+    return repr(x)

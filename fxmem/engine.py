@@ -21,7 +21,8 @@ from torch._dynamo.backends.debugging import boxed_nop
 from torch._dynamo.eval_frame import _set_in_optimized_module
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 
-from fxmem.capture import capture, data_dependent_error, flat_graph_inputs, structure_outputs
+from fxmem.capture import capture, data_dependent_error, describe_input, flat_graph_inputs, structure_outputs
+from fxmem.errors import TraceError
 from fxmem.plan import Plan
 from fxmem.planner import Planner, PlanRequest
 from fxmem.progress import planning
@@ -72,6 +73,10 @@ class CompiledStep:
         self.out_consts = [None if isinstance(x, torch.Tensor) else x for x in leaves]
         return [x for x in leaves if isinstance(x, torch.Tensor)]
 
+    @property
+    def plans(self) -> list[Plan]:
+        return [self.planner.plan] if self.planner.plan is not None else []
+
     def __call__(self, state: dict[str, torch.Tensor], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
         flat = flat_graph_inputs(self.gm, args, kwargs)
         graph_state = {n: state[n] for n in self.state_names} | {n: state.get(n, c) for n, c in self.constants.items()}
@@ -107,14 +112,6 @@ def plan_step(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any
     return planner.plan
 
 
-def describe_input(x: Any) -> str:
-    """`float32[8,32]+grad` for a tensor, repr otherwise."""
-    if isinstance(x, torch.Tensor):
-        dtype = str(x.dtype).replace("torch.", "")
-        return f"{dtype}[{','.join(map(str, x.shape))}]" + ("+grad" if x.requires_grad else "")
-    return repr(x)
-
-
 def signature_of(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
     """Readable input signature: shapes and dtypes of tensor inputs, other values, mode."""
     parts = [describe_input(a) for a in args] + [f"{k}={describe_input(v)}" for k, v in sorted(kwargs.items())]
@@ -142,7 +139,7 @@ class OptimizedModule(ModelWrapper):
     @property
     def plans(self) -> list[Plan]:
         """The plans made or applied so far, one per input signature seen."""
-        return [s.planner.plan for s in self._steps.values() if s.planner.plan is not None]
+        return [plan for step in self._steps.values() for plan in step.plans]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         model = self.fxmem_model
@@ -154,11 +151,19 @@ class OptimizedModule(ModelWrapper):
             request = self._make_request(args, kwargs)
             log.info("fxmem: planning %s %s", request.model, request.signature)
             with planning(f"planning {request.model} {short_signature(request.signature)}", request.time_limit_s):
-                step = CompiledStep(model, capture(model, args, kwargs), Planner(request))
-                out = step(dict(model_state(model)), args, kwargs)  # the first call traces and plans
+                try:
+                    step = CompiledStep(model, capture(model, args, kwargs), Planner(request))
+                    out = step(dict(model_state(model)), args, kwargs)  # the first call traces and plans
+                except TraceError as exc:  # not one graph: Dynamo's graphs, under the same budget
+                    from fxmem.dynamo_step import DynamoStep
+
+                    step = DynamoStep(model, request, exc)
+                    out = step(args, kwargs)
             self._steps[key] = step
             return out
-        return step(dict(model_state(model)), args, kwargs)
+        if isinstance(step, CompiledStep):
+            return step(dict(model_state(model)), args, kwargs)
+        return step(args, kwargs)
 
 
 def _cache_key(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple:

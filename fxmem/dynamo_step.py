@@ -1,0 +1,74 @@
+"""The step of a model that torch.export cannot capture whole, planned through Dynamo instead.
+
+Reads the user's model and the request the whole-graph capture failed on; writes nothing. Where
+forward has data-dependent control flow (a label check such as `if labels.max() >= n`, LayerDrop's
+random `if`), an op of data-dependent shape, or code torch.export refuses, `fxmem.optimize` falls back
+to `torch.compile(model, backend="fxmem")` with the same budget: Dynamo splits forward at the breaks,
+runs the Python between the graphs eagerly, and the compile backend (`fxmem.backend`) plans every
+graph of the step under the one budget. The graphs run with AOTAutograd's eager kernels
+(`inner="aot_eager"`), so training matches eager as the whole-graph path does.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import torch
+
+from fxmem.backend import ledger_for, plans_for
+from fxmem.errors import GIB, FxmemError, TraceError
+from fxmem.plan import Plan
+from fxmem.planner import PlanRequest
+
+log = logging.getLogger("fxmem")
+
+
+class DynamoStep:
+    """A compiled `model` whose graphs, split where Dynamo breaks, share `request`'s budget."""
+
+    def __init__(self, model: torch.nn.Module, request: PlanRequest, reason: TraceError):
+        if request.plan is not None or request.offload or request.pool or request.resident_bytes:
+            raise TraceError(reason.construct, reason.fix + "; plan=, offload=, pool= and optimizer= need the "
+                             "model captured as one graph (without them fxmem.optimize plans it through Dynamo)")
+        self.options = {"budget_gb": request.budget_bytes / GIB, "inner": "aot_eager", "device": request.device,
+                        "time_limit_s": request.time_limit_s, "solver": request.solver}
+        self.reason, self.warned = reason, False
+        self.compiled = torch.compile(model, backend="fxmem", options=self.options)
+        log.info("fxmem: %s could not be captured as one graph (%s); planning its graphs through Dynamo",
+                 request.model, reason.construct)
+
+    @property
+    def plans(self) -> list[Plan]:
+        """One plan per graph Dynamo captured, in order."""
+        return plans_for(self.options)
+
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        ledger = ledger_for(self.options)
+        before = [r.calls for r in ledger.records] if ledger is not None else []
+        try:
+            out = self.compiled(*args, **kwargs)
+        except torch._dynamo.exc.BackendCompilerFailed as exc:  # fxmem's own refusal, as the one-graph path says it
+            inner = getattr(exc, "inner_exception", None)
+            if isinstance(inner, FxmemError):
+                raise inner from None
+            raise
+        self._check_repeats(before)
+        return out
+
+    def _check_repeats(self, before: list[int]) -> None:
+        """Warn once when a graph ran more than once in this step: each run keeps its own activations
+        for backward, and the budget counts one."""
+        ledger = ledger_for(self.options)
+        if self.warned or ledger is None:
+            return
+        before = before + [0] * (len(ledger.records) - len(before))
+        repeated = [(r.index, r.calls - b) for r, b in zip(ledger.records, before) if r.calls - b > 1]
+        if repeated:
+            self.warned = True
+            runs = ", ".join(f"graph {i} {n} times" for i, n in repeated)
+            message = (f"fxmem: one step ran {runs} (a loop with a graph break, such as LayerDrop); each run "
+                       "keeps its activations for backward but the budget counts one run, so the step may use "
+                       "more than budget_gb. Capture the loop as one graph (decide the skips outside forward) "
+                       "to plan it exactly")
+            warnings.warn(message, stacklevel=3)

@@ -1,0 +1,120 @@
+"""Models torch.export cannot capture whole train through Dynamo's graphs under one budget
+(`fxmem.dynamo_step`): exactly like eager (outputs, gradients and which are None, buffers), the same
+layers skipped for the same seed, the measured peak within the budget."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxmem
+from fxmem.measure import measure_peak_bytes
+from tests.conftest import GIB, step
+
+
+def _assert_trains_like(reference, optimized, inputs):
+    """Same outputs, gradients (None where eager has None) and buffers after one step, same seed."""
+    torch.testing.assert_close(step(optimized, inputs), step(reference, inputs), atol=0, rtol=0)
+    ref = dict(reference.named_parameters())
+    for name, p in optimized.named_parameters():
+        assert (p.grad is None) == (ref[name].grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, ref[name].grad, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
+    ref_buffers = dict(reference.named_buffers())
+    for name, b in optimized.named_buffers():
+        torch.testing.assert_close(b, ref_buffers[name], atol=0, rtol=0)
+
+
+class _LabelCheck(nn.Module):
+    """A model's own loss code with a data-dependent check, as transformers' CTC heads have."""
+
+    def __init__(self, d: int = 64, classes: int = 16):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, 4 * d), nn.GELU())
+        self.head = nn.Linear(4 * d, classes)
+        self.unused = nn.Linear(d, d)
+        self.classes = classes
+
+    def forward(self, x, labels):
+        if labels.max() >= self.classes:
+            raise ValueError("label out of range")
+        return nn.functional.cross_entropy(self.head(self.body(x)), labels)
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(nn.functional.gelu(self.up(x)))
+
+
+class _LayerDrop(nn.Module):
+    """Layers skipped at random while training (LayerDrop), decided in Python from torch.rand."""
+
+    def __init__(self, d: int = 64, n: int = 6, p: float = 0.3):
+        super().__init__()
+        self.layers = nn.ModuleList(_Block(d) for _ in range(n))
+        self.norm = nn.BatchNorm1d(d)
+        self.p = p
+
+    def forward(self, x):
+        for layer in self.layers:
+            if self.training and torch.rand(()) < self.p:
+                continue
+            x = layer(x)
+        return self.norm(x).square().mean()
+
+
+def _cases():
+    torch.manual_seed(0)
+    yield "label-check", _LabelCheck(d=128), (torch.randn(2048, 128), torch.randint(0, 16, (2048,)))
+    torch.manual_seed(0)
+    yield "layerdrop", _LayerDrop(d=128), (torch.randn(1024, 128),)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_label_check_trains_like_eager_within_budget():
+    _, model, inputs = next(c for c in _cases() if c[0] == "label-check")
+    with pytest.raises(fxmem.TraceError):
+        fxmem.capture(model, inputs)
+    eager = measure_peak_bytes(copy.deepcopy(model), inputs)
+    for fraction in (1.0, 0.85):
+        reference, candidate = copy.deepcopy(model), copy.deepcopy(model)
+        budget = int(fraction * eager)
+        optimized = fxmem.optimize(candidate, budget_gb=budget / GIB, time_limit_s=2)
+        for _ in range(2):
+            _assert_trains_like(reference, optimized, inputs)
+        plans = optimized.plans
+        assert plans and all(p.predicted_peak_bytes <= budget for p in plans)
+        measured = measure_peak_bytes(optimized, inputs)
+        assert measured <= budget, f"at {fraction}: measured {measured} > budget {budget}"
+        torch._dynamo.reset()
+
+
+def test_layerdrop_skips_the_same_layers_and_says_the_budget_is_not_exact():
+    """A graph run once per kept layer: the same layers are skipped as in eager for the same seed, and
+    the user is told that the budget counts one run of it."""
+    _, model, inputs = next(c for c in _cases() if c[0] == "layerdrop")
+    reference = copy.deepcopy(model)
+    optimized = fxmem.optimize(model, budget_gb=1.0, time_limit_s=2)
+    with pytest.warns(UserWarning, match="times .* the budget counts one run"):
+        _assert_trains_like(reference, optimized, inputs)
+    for _ in range(2):
+        _assert_trains_like(reference, optimized, inputs)
+
+
+def test_plan_given_is_refused_on_this_path():
+    _, model, inputs = next(_cases())
+    made = fxmem.plan(nn.Linear(64, 16), (torch.randn(2, 64),))
+    with pytest.raises(fxmem.TraceError, match="plan="):
+        fxmem.optimize(model, plan=made)(*inputs)

@@ -222,7 +222,7 @@ _KNOWN = (
       "Could not extract specialized integer", "symbolically traced variables cannot be used as inputs to control flow"),
      "data-dependent control flow (a Python `if`, `while` or `int()` on a tensor's value)",
      "compute both branches and select with torch.where, use torch.cond, or move the decision out of forward "
-     "(pass it as a Python argument)"),
+     "(pass it as a Python argument); fxmem.optimize plans such a model through Dynamo's graphs instead"),
     (("item()", "aten._local_scalar_dense", "tolist"),
      "reading a tensor value into Python (.item() / .tolist())",
      "keep the value as a tensor, or pass it as a Python argument"),

@@ -3,8 +3,9 @@ whether it is proven least.
 
 Reads a `MemoryProblem`; returns a `LeastPeak`. Torch-free. Every search runs within the time
 limit and the best is kept: the greedy descent (fast, local), one option spread over repeated
-layers (`layered`, where the graph has them), then the exact time-indexed program on graphs of up
-to `EXACT_CANDIDATES` candidates (a proof when it finishes) or CP-SAT seeded with the best so far.
+layers (`layered`, where the graph has them), then CP-SAT seeded with the best so far, in its
+deterministic mode (the same decision every run: decisions of equal peak can simulate differently),
+and on graphs of up to `EXACT_CANDIDATES` candidates the exact time-indexed program, to prove it.
 The answer is proven when the exact program proves it or when it meets `peak_lower_bound`.
 """
 from __future__ import annotations
@@ -61,15 +62,17 @@ def least_peak(problem: MemoryProblem, time_limit_s: float = 10.0) -> LeastPeak:
         offer(layered[1] if layered else None, "layered")
     proved_peak = None  # the exact program's peak, when it proved it least
     if not found or min(found)[0] > bound:
-        if problem.num_values <= EXACT_CANDIDATES:
+        # CP-SAT in deterministic mode chooses among decisions of equal peak the same way every run
+        # (the simulated step can differ between them); the exact program then only proves
+        hint = min(found)[3] if found else None
+        cpsat = cpsat_min_peak(problem, left() / 2 if problem.num_values <= EXACT_CANDIDATES else left(), hint=hint)
+        offer(cpsat[1] if cpsat else None, "cpsat")
+        if problem.num_values <= EXACT_CANDIDATES and (not found or min(found)[0] > bound):
             exact = exact_min_peak(problem, left())
             if exact is not None:
-                offer(exact[1], "exact")
                 proved_peak = exact[0] if exact[2] else None
-        else:
-            hint = min(found)[3] if found else None
-            cpsat = cpsat_min_peak(problem, left(), hint=hint)
-            offer(cpsat[1] if cpsat else None, "cpsat")
+                if not found or exact[0] < min(found)[0]:
+                    offer(exact[1], "exact")
     if not found:
         raise ValueError("no valid decision: some value can be neither saved nor recomputed")
     peak, _, method, rec = min(found)

@@ -7,6 +7,7 @@ a progress line on stderr while planning on a terminal (`fxmem.progress.planning
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -14,6 +15,7 @@ import torch
 from fxmem.budget import budget_bytes, per_device_budgets
 from fxmem.capture import example_args
 from fxmem.cost import DeviceSpec, preset_for
+from fxmem.eager_meter import eager_peak_bytes
 from fxmem.engine import OptimizedModule, plan_step, signature_of
 from fxmem.optimizer_state import model_state_bytes
 from fxmem.pipeline import PipelineRequest, plan_pipeline
@@ -80,7 +82,7 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
          target: DeviceSpec | str | None = None, pool: bool | str = False, num_stages: int | None = None,
          schedule: str = "1f1b", n_microbatches: int | None = None, optimizer: str | float | None = None,
          calibrate: bool | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-         example_target: Any = None, keep_outputs: bool = False) -> Plan:
+         example_target: Any = None, keep_outputs: bool = False, eager_meter: bool = False) -> Plan:
     """Plan a training step of `model` on `example_inputs` under `budget_gb` without running it
     (fake tensors only). Without a budget the plan keeps everything (the eager step).
     `target` (same as `device`): the device to plan for, which need not be present; with
@@ -94,6 +96,8 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
     `optimizer` (an optimizer, a name such as "adamw", or state bytes per parameter byte): its state is
     on the device for the whole step, so it is counted in the budget (so `budget_gb` can be the
     GPU's memory); with `num_stages`, per stage.
+    `eager_meter`: also measure PyTorch eager's peak for the step (MemTracker on fake tensors, no
+    real compute; `Plan.eager_peak_bytes`, a row of the table).
     `loss_fn`: plan the step `loss_fn(model(*example_inputs), example_target)` as a whole (see
     `fxmem.step_module`); the model's outputs are held after the loss only with `keep_outputs`."""
     args, kwargs = example_args(example_inputs), dict(example_kwargs or {})
@@ -113,7 +117,11 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
         if num_stages is not None:
             return plan_pipeline(model, args, kwargs, request,
                                  PipelineRequest(num_stages, schedule, n_microbatches, optimizer))
-        return plan_step(model, args, kwargs, request)
+        made = plan_step(model, args, kwargs, request)
+        if eager_meter:
+            measured = eager_peak_bytes(model, args, kwargs)
+            made = replace(made, eager_peak_bytes=None if measured is None else measured + request.resident_bytes)
+        return made
 
 
 def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Plan | None = None,

@@ -233,6 +233,8 @@ def _plan_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     extra = {"offload": True if args.offload else None, "num_stages": args.stages, "schedule": args.schedule,
              "n_microbatches": args.microbatches}
     kwargs.update({k: v for k, v in extra.items() if v is not None})
+    if args.stages is None:
+        kwargs["eager_meter"] = True  # the table sets PyTorch eager's peak beside fxmem's keep-all step
     return kwargs
 
 

@@ -88,18 +88,34 @@ class _MaskedModel(torch.nn.Module):
         return self.mask(self.proj(x)).sum()
 
 
-@pytest.mark.parametrize("how", ["plan", "optimize"])
-def test_data_dependent_shape_is_one_line_naming_op_module_and_line(how):
+def test_data_dependent_shape_is_one_line_naming_op_module_and_line():
     import fxmem
     from fxmem.errors import TraceError
 
     model, x = _MaskedModel(), torch.randn(4, 8)
     with pytest.raises(TraceError) as info:
-        if how == "plan":
-            fxmem.plan(model, (x,), budget_gb=1.0)
-        else:
-            fxmem.optimize(model, budget_gb=1.0)(x)
+        fxmem.plan(model, (x,), budget_gb=1.0)
     text = str(info.value)
     assert "\n" not in text
     assert "aten.nonzero" in text and "module mask" in text and "test_capture.py" in text and "h[h > 0]" in text
     assert "torch.where" in text
+
+
+def test_optimize_runs_a_data_dependent_shape_through_dynamo():
+    """fxmem.optimize does not stop there: Dynamo breaks the graph at the op and runs it eagerly."""
+    import copy
+
+    import fxmem
+
+    torch.manual_seed(0)
+    model, x = _MaskedModel(), torch.randn(4, 8)
+    reference = copy.deepcopy(model)
+    torch._dynamo.reset()
+    optimized = fxmem.optimize(model, budget_gb=1.0)
+    loss = optimized(x)
+    loss.backward()
+    expected = reference(x)
+    expected.backward()
+    torch.testing.assert_close(loss, expected, atol=0, rtol=0)
+    torch.testing.assert_close(model.proj.weight.grad, reference.proj.weight.grad, atol=0, rtol=0)
+    torch._dynamo.reset()

@@ -264,7 +264,7 @@ def infeasible_message(exc: Any, what: str, offload: bool = False) -> str:
     least = least_words(exc).replace("the minimum ", "the minimum feasible budget ")
     return (f"budget {fmt_bytes(exc.budget_bytes)} is below {least} for {what}" + (f" ({parts})" if parts else "")
             + f"; use --budget-gb {gb_at_least(exc.min_budget_bytes)} or more, "
-            + ("" if getattr(exc, "proven", True) else "a longer --time-limit, ")
+            + ("" if exc.proven else "a longer --time-limit, ")
             + ("or a smaller --batch-size" if offload else "a smaller --batch-size, or --offload"))
 
 

@@ -19,18 +19,25 @@ import torch.fx
 
 from fxmem.cost import DEVICE_PRESETS, HOST_LINKS, CostTable, DeviceSpec, estimate
 from fxmem.errors import InfeasibleBudgetError, fmt_bytes
-from fxmem.resident import refusal_with_resident, with_resident
 from fxmem.kernel_timer import KernelTimer
-from fxmem.memory import EXACT, AllocatorModel, MemoryTimeline, simulate_step, storages_of
-from fxmem.plan import NodeRow, Plan, PoolSection, graph_fingerprint
-from fxmem.problem import enable_offload, eager_decision, offload_cost, saved_set
-from fxmem.schedule import JointSplit, Lowered, build_problem, split_joint
-from fxmem.solve.recompute import least_peak, solve
-from fxmem.solve.solution import Solution, make_solution
+from fxmem.memory import (
+    EXACT,
+    AllocatorModel,
+    MemoryTimeline,
+    simulate_step,
+    storages_of,
+)
+from fxmem.passes.dropout_backward import eager_dropout_backward
 from fxmem.passes.offload import offload, offload_pass
 from fxmem.passes.pool import pool_pass, pool_stats
 from fxmem.passes.recompute import partition, recompute_pass
 from fxmem.passes.runner import StepGraphs, run_passes
+from fxmem.plan import NodeRow, Plan, PoolSection, graph_fingerprint
+from fxmem.problem import eager_decision, enable_offload, offload_cost, saved_set
+from fxmem.resident import refusal_with_resident, with_resident
+from fxmem.schedule import JointSplit, Lowered, build_problem, split_joint
+from fxmem.solve.recompute import least_peak, solve
+from fxmem.solve.solution import Solution, make_solution
 
 STEP_PASSES = (recompute_pass, offload_pass, pool_pass)
 
@@ -89,6 +96,7 @@ class Planner:
     def __call__(self, joint: torch.fx.GraphModule, _joint_inputs, *, num_fwd_outputs: int, **_kw
                  ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
         self.num_fwd_outputs = num_fwd_outputs
+        eager_dropout_backward(joint)
         fingerprint = graph_fingerprint(joint)
         plan = self.request.plan
         if plan is not None:

@@ -141,8 +141,6 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
     step (with `keep_outputs`, `(loss, outputs)`). `optimizer`: its state counts in the budget (see `plan`)."""
     check_pool(pool)
     if loss_fn is not None:
-        if devices is not None:
-            raise ValueError("loss_fn= is not supported together with devices=[...] yet")
         model = LossStep(model, loss_fn, keep_outputs)
     elif keep_outputs:
         raise ValueError("keep_outputs= goes with loss_fn=")

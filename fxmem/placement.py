@@ -140,7 +140,7 @@ class PlacedModule(ModelWrapper):
         devices, budgets, plan, device = self._setup
         model = self.fxmem_model
         if plan is None or not plan.devices:
-            request = PlanRequest(device=device, model=type(model).__qualname__,
+            request = PlanRequest(device=device, model=getattr(model, "display_name", type(model).__qualname__),
                                   signature=signature_of(model, args, kwargs))
             plan = place_plan(model, plan_step(model, args, kwargs, request), devices, budgets)
         gm = capture(model, args, kwargs)

@@ -125,3 +125,40 @@ def test_keep_outputs_returns_them_and_bad_loss_is_clear():
         fxmem.optimize(copy.deepcopy(model), budget_gb=1.0, loss_fn=lambda out, t: out)(x, target=y)
     with pytest.raises(ValueError, match="go with loss_fn"):
         fxmem.plan(model, (x,), example_target=y)
+
+
+def test_loss_fn_over_two_devices_trains_like_eager():
+    """With devices=[...] the loss runs (and is counted) on the device of the model's last unit."""
+    model, x, y = _zoo_gpt()
+    reference = copy.deepcopy(model)
+    optimized = fxmem.optimize(model, budget_gb=1.0, devices=["cpu", "cpu"], loss_fn=_ce)
+    _assert_same_step(reference, optimized, model, x, y)
+    (plan,) = optimized.plans
+    assert plan.model.endswith("+ loss")
+    assert "lm_head" in plan.devices[-1].modules and len(plan.devices) == 2
+
+
+class _TrainStep(torch.nn.Module):
+    """The loss inside the compiled module, as a torch.compile user writes a training step."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, target):
+        return _ce(self.model(x), target)
+
+
+def test_compiled_training_step_plans_its_loss_within_budget():
+    """torch.compile(backend="fxmem") of a step that computes the loss plans the loss region with the model."""
+    model, x, y = _zoo_gpt()
+    eager = measure_peak_bytes(_TrainStep(copy.deepcopy(model)), (x, y))
+    budget = int(0.8 * eager)
+    options = {"budget_gb": budget / GIB, "inner": "aot_eager", "time_limit_s": 2}
+    compiled = torch.compile(_TrainStep(model), backend="fxmem", options=options)
+    reference = copy.deepcopy(model)
+    _assert_same_step(reference, lambda x, target: compiled(x, target), model, x, y)
+    measured = measure_peak_bytes(compiled, (x, y))
+    assert measured <= budget, f"measured {measured} > budget {budget}"
+    (plan,) = fxmem.backend.plans_for(options)
+    assert any("nll_loss" in row.name or "log_softmax" in row.name for row in plan.nodes)

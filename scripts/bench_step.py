@@ -1,10 +1,13 @@
 #!/usr/bin/env python
 """The user's loss in the plan: a transformers GPT-2 trained with cross-entropy outside the model, planned
 without and with `loss_fn`, each measured (MemTracker on CPU, max_memory_allocated on CUDA) against
-its budget and against PyTorch eager. Prints a markdown table.
+its budget and against PyTorch eager. Prints a markdown table. With --full-ac: fxmem's least
+feasible budget for the step (loss included) against full activation checkpointing's measured peak,
+and the step time of both at full-AC's peak, measured side by side.
 
 examples:
   python scripts/bench_step.py                      # GPT-2 6 x 512, vocab 50257, batch 4 x 512
+  python scripts/bench_step.py --full-ac --seq-len 1024 --batch-size 2
   python scripts/bench_step.py --layers 2 --batch-size 1 --seq-len 256 --fractions 0.8 0.5
 """
 from __future__ import annotations
@@ -48,14 +51,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--fractions", type=float, nargs="+", default=[0.8, 0.6], help="budgets as fractions of eager's peak")
+    p.add_argument("--full-ac", action="store_true", help="compare with full activation checkpointing instead")
+    p.add_argument("--dropout", type=float, default=0.1, help="GPT-2's dropout (default 0.1, as GPT-2's config)")
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=args.width // 64,
-                                     vocab_size=50257, n_positions=args.seq_len, use_cache=False)
+                                     vocab_size=50257, n_positions=args.seq_len, use_cache=False,
+                                     resid_pdrop=args.dropout, embd_pdrop=args.dropout, attn_pdrop=args.dropout)
     model = transformers.GPT2LMHeadModel(config).to(device)
     x = torch.randint(0, 50257, (args.batch_size, args.seq_len), device=device)
     y = torch.randint(0, 50257, (args.batch_size, args.seq_len), device=device)
+    if args.full_ac:
+        rows = against_full_ac(model, x, y)
+        print(f"\nGPT-2 {args.layers} x {args.width}, vocab 50257, dropout {args.dropout}, batch {args.batch_size} x "
+              f"{args.seq_len}, {device}\n")
+        print(tabulate(rows, headers="keys", tablefmt="github"))
+        return 0
     eager = measure_peak_bytes(LossStep(copy.deepcopy(model), cross_entropy), (x,), {"target": y})
     rows = [{"method": "eager", "budget MiB": "", "measured MiB": f"{eager / MIB:.1f}", "within budget": ""}]
     for fraction in args.fractions:
@@ -79,6 +91,56 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nGPT-2 {args.layers} x {args.width}, vocab 50257, batch {args.batch_size} x {args.seq_len}, {device}\n")
     print(tabulate(rows, headers="keys", tablefmt="github"))
     return 0
+
+
+def _step_seconds(module, x, y, repeats: int) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        for p in module.parameters():
+            p.grad = None
+        start = time.perf_counter()
+        module(x, target=y).backward()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def against_full_ac(model, x, y, repeats: int = 3) -> list[dict]:
+    """fxmem's least budget and its step at full-AC's peak, against full-AC (every block checkpointed)."""
+    from baselines import full_ac  # scripts/ is on sys.path when this script runs
+
+    checkpointed = LossStep(full_ac(model), cross_entropy)
+    full = measure_peak_bytes(checkpointed, (x,), {"target": y})
+    try:
+        fxmem.plan(model, (x,), budget_gb=1e-6, loss_fn=cross_entropy, example_target=y)
+        least = None
+    except fxmem.InfeasibleBudgetError as exc:
+        least, proven = exc.min_budget_bytes, exc.lower_bound_bytes
+    bound = f" (proven >= {proven / MIB:.1f})" if least is not None and proven else ""
+    rows = [{"what": "fxmem least feasible budget", "MiB": f"{least / MIB:.1f}{bound}" if least else "-",
+             "x full-AC": f"{least / full:.2f}" if least else "-", "step s": ""}]
+    planned = fxmem.optimize(copy.deepcopy(model), budget_gb=full / 2**30, loss_fn=cross_entropy)
+    try:
+        measured = measure_peak_bytes(planned, (x,), {"target": y})
+    except fxmem.InfeasibleBudgetError:
+        planned = None
+    times = {"full-AC": [], "fxmem": []}
+    for _ in range(repeats):  # side by side: the machine's load hits both alike
+        times["full-AC"] += _step_seconds(checkpointed, x, y, 1)
+        if planned is not None:
+            times["fxmem"] += _step_seconds(planned, x, y, 1)
+    best = {k: min(v) for k, v in times.items() if v}
+    rows.insert(0, {"what": "full-AC measured peak", "MiB": f"{full / MIB:.1f}", "x full-AC": "1.00",
+                    "step s": f"{best['full-AC']:.3f}"})
+    if planned is None:
+        rows.append({"what": "fxmem at full-AC's peak", "MiB": "refused (least budget above it)", "x full-AC": "",
+                     "step s": ""})
+    else:
+        rows.append({"what": "fxmem at full-AC's peak, measured", "MiB": f"{measured / MIB:.1f}",
+                     "x full-AC": f"{measured / full:.2f}",
+                     "step s": f"{best['fxmem']:.3f} ({best['full-AC'] / best['fxmem'] - 1:+.0%} faster)"})
+    return rows
 
 
 if __name__ == "__main__":

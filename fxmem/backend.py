@@ -7,12 +7,12 @@ graph and `fxmem.planner.Planner` (the same planner `fxmem.plan`/`fxmem.optimize
 save and what to recompute so the simulated step fits the budget. The forward and backward graphs
 then run through boxed_nop ("aot_eager") or Inductor ("inductor").
 
-Budget across graph breaks: one `torch.compile(...)` call has one ledger. When graph k of a step is
-planned, the budget left to it is `budget_gb` minus what each graph planned earlier (from other
-frames) keeps alive for the whole step: its parameters, buffers and inputs, its gradients and its
-saved-for-backward activations (bytes of the rows whose decision is "save" in its Plan). A
-recompilation of a frame replaces that frame's entry. Reads nothing from disk; writes the plans to
-`plan_out` (one file per graph: `<stem>.<k>.json`) when asked.
+Budget across graph breaks: one `torch.compile(...)` call has one ledger (`fxmem.ledger`). Graph k
+of a step is planned for the whole `budget_gb`, with what the rest of the step holds while its
+forward and its backward run (other graphs' parameters and saved values, the tensors passed
+between graphs, later graphs' gradients) added to its simulated memory, so each graph's predicted
+peak is the step's peak while it runs. A recompilation of a frame replaces that frame's entry.
+Reads nothing from disk; writes the plans to `plan_out` (one file per graph: `<stem>.<k>.json`) when asked.
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ import os
 import shutil
 import threading
 import warnings
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -29,7 +28,8 @@ import torch
 from fxmem.budget import budget_bytes
 from fxmem.cost import DeviceSpec, preset_for
 from fxmem.capture import describe_input
-from fxmem.errors import GIB, InfeasibleBudgetError
+from fxmem.errors import GIB
+from fxmem.ledger import GraphRecord, Ledger
 from fxmem.plan import Plan
 from fxmem.planner import Planner, PlanRequest
 
@@ -39,46 +39,17 @@ OPTIONS = ("budget_gb", "inner", "time_limit_s", "plan_out", "verbose", "device"
 INNERS = ("inductor", "aot_eager")
 
 
-@dataclass
-class GraphRecord:
-    """One planned graph of a torch.compile call."""
-
-    index: int
-    frame: Any
-    budget_bytes: int
-    plan: Plan | None = None
-    path: str | None = None
-    calls: int = 0  # forward calls of this graph so far (a loop with a graph break calls one graph per layer)
-
-    @property
-    def kept_bytes(self) -> int:
-        """What this graph keeps alive for the whole step: static inputs, gradients, saved activations
-        (not the BLAS workspaces: every graph of the step shares them, and each graph's plan counts them)."""
-        if self.plan is None:
-            return 0
-        return sum(v for k, v in self.plan.breakdown.items() if k != "BLAS workspaces") + self.plan.saved_bytes
-
-
-@dataclass
-class Ledger:
-    """The graphs planned so far by one torch.compile call (one `options` dict)."""
-
-    budget_bytes: int
-    records: list[GraphRecord] = field(default_factory=list)
-
-    def reserved_by_others(self, frame: Any) -> int:
-        latest: dict[Any, GraphRecord] = {}
-        for r in self.records:
-            latest[r.frame] = r  # a recompilation of a frame replaces its entry
-        return sum(r.kept_bytes for f, r in latest.items() if f != frame or f is None)
-
-    @property
-    def plans(self) -> list[Plan]:
-        return [r.plan for r in self.records if r.plan is not None]
-
-
 _LEDGERS: dict[int, tuple[dict, Ledger]] = {}
 _LOCK = threading.Lock()
+
+
+def open_ledger(options: dict, model: torch.nn.Module | None = None, survey: list | None = None) -> Ledger:
+    """The ledger for the torch.compile call made with `options`, told the model and the step's survey
+    (`fxmem.ledger.survey_step`), so other graphs' parameters and later graphs' gradients are known."""
+    with _LOCK:
+        ledger = Ledger(budget_bytes(_validate(options)["budget_gb"]), model=model, survey=survey)
+        _LEDGERS[id(options)] = (options, ledger)
+    return ledger
 
 
 def ledger_for(options: dict) -> Ledger | None:
@@ -134,21 +105,14 @@ def plan_path(plan_out: str | os.PathLike, index: int) -> str:
 
 
 class _RecordingPlanner(Planner):
-    """The fxmem Planner, recording its plan in the ledger, re-raising infeasibility against the whole budget."""
+    """The fxmem Planner, recording its plan in the ledger."""
 
-    def __init__(self, request: PlanRequest, ledger: Ledger, record: GraphRecord, reserved: int, options: dict):
+    def __init__(self, request: PlanRequest, ledger: Ledger, record: GraphRecord, options: dict):
         super().__init__(request)
-        self.ledger, self.record, self.reserved, self.options = ledger, record, reserved, options
+        self.ledger, self.record, self.options = ledger, record, options
 
     def __call__(self, joint, joint_inputs, **kwargs):
-        try:
-            fw, bw = super().__call__(joint, joint_inputs, **kwargs)
-        except InfeasibleBudgetError as exc:
-            breakdown = dict(exc.breakdown)
-            if self.reserved:
-                breakdown[f"kept by {len(self.ledger.records)} earlier graph(s)"] = self.reserved
-            raise InfeasibleBudgetError(self.ledger.budget_bytes, exc.min_budget_bytes + self.reserved,
-                                        breakdown) from None
+        fw, bw = super().__call__(joint, joint_inputs, **kwargs)
         plan = self.plan
         self.record.plan = plan
         self.ledger.records.append(self.record)
@@ -156,9 +120,10 @@ class _RecordingPlanner(Planner):
             self.record.path = plan_path(self.options["plan_out"], self.record.index)
             plan.save(self.record.path)
         if self.options.get("verbose"):
-            print(f"fxmem: graph {self.record.index}, budget {self.record.budget_bytes / GIB:.4f} GiB of "
-                  f"{self.ledger.budget_bytes / GIB:.4f} GiB" + (" (earlier graphs keep the rest)" if self.reserved
-                                                                 else ""))
+            forward, backward = self.record.held
+            print(f"fxmem: graph {self.record.index}, budget {self.ledger.budget_bytes / GIB:.4f} GiB for the step"
+                  + (f"; the rest of the step holds {forward / GIB:.4f} GiB during its forward, "
+                     f"{backward / GIB:.4f} GiB during its backward" if backward else ""))
             print(plan.table())
         return fw, bw
 
@@ -206,16 +171,15 @@ def fxmem_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], optio
             _LEDGERS[id(options)] = entry
         ledger = entry[1]
     frame = _frame_id()
-    reserved = ledger.reserved_by_others(frame)
     index = len(ledger.records)
+    record = GraphRecord.of(index, frame, budget, example_inputs, _sources(gm))
+    record.held = ledger.held_for(record)
     device = options.get("device") or _input_device(example_inputs)
-    # when earlier graphs already take the whole budget, plan for 1 byte: the refusal names this graph's minimum
-    request = PlanRequest(budget_bytes=max(1, budget - reserved),
+    request = PlanRequest(budget_bytes=budget, held_bytes=record.held,
                           device=device if isinstance(device, DeviceSpec) else DeviceSpec.from_name(device),
                           solver=options.get("solver", "auto"), time_limit_s=float(options.get("time_limit_s", 10.0)),
                           model=f"dynamo graph {index}", signature=f"({', '.join(map(describe_input, example_inputs))})")
-    record = GraphRecord(index=index, frame=frame, budget_bytes=budget - reserved)
-    planner = _RecordingPlanner(request, ledger, record, reserved, options)
+    planner = _RecordingPlanner(request, ledger, record, options)
     if inner == "inductor":
         try:
             return _counted(_compile_inductor(gm, example_inputs, planner), record)
@@ -229,10 +193,19 @@ def _counted(compiled: Callable[..., Any], record: GraphRecord) -> Callable[...,
     """`compiled`, counting its calls in `record` (`fxmem.dynamo_step` checks for graphs run twice a step)."""
     def run(*args: Any) -> Any:
         record.calls += 1
-        return compiled(*args)
+        out = compiled(*args)
+        if record.calls == 1:  # what it returns may stay alive while later graphs run (fxmem.ledger)
+            for value in torch.utils._pytree.tree_leaves(out):
+                record.see(value)
+        return out
 
     run._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
     return run
+
+
+def _sources(gm: torch.fx.GraphModule) -> list[Any]:
+    """Where Dynamo found each graph input (a module's parameter or buffer, a local variable)."""
+    return [getattr(n.meta.get("grapharg"), "source", None) for n in gm.graph.find_nodes(op="placeholder")]
 
 
 def _input_device(example_inputs: Sequence[Any]) -> DeviceSpec:

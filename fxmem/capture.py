@@ -37,7 +37,7 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any] = (),
     if method not in METHODS:
         raise ValueError(f"capture method {method!r} is not one of {METHODS}")
     args, kwargs = example_args(example_inputs), dict(example_kwargs or {})
-    with _restored_buffers(model), torch.random.fork_rng(devices=_cuda_devices()), _restored_python_rng():
+    with untouched(model):
         gm = _capture(model, args, kwargs, method)
     _constants_as_buffers(gm)
     return gm
@@ -183,6 +183,14 @@ def _check_same_outputs(model: torch.nn.Module, gm: torch.fx.GraphModule, args: 
         for a, b in zip(want_leaves, got_leaves))
     if not same:
         raise ValueError("symbolic_trace changed the model's outputs")
+
+
+@contextlib.contextmanager
+def untouched(model: torch.nn.Module):
+    """Run code that calls `model` without a trace: its buffers and the torch, CUDA and Python
+    random states are put back afterwards."""
+    with _restored_buffers(model), torch.random.fork_rng(devices=_cuda_devices()), _restored_python_rng():
+        yield
 
 
 def _cuda_devices() -> list[int]:

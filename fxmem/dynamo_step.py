@@ -5,7 +5,9 @@ forward has data-dependent control flow (a label check such as `if labels.max() 
 random `if`), an op of data-dependent shape, or code torch.export refuses, `fxmem.optimize` falls back
 to `torch.compile(model, backend="fxmem")` with the same budget: Dynamo splits forward at the breaks,
 runs the Python between the graphs eagerly, and the compile backend (`fxmem.backend`) plans every
-graph of the step under the one budget. The graphs run with AOTAutograd's eager kernels
+graph of the step under the one budget; a first forward without autograd (`fxmem.ledger.survey_step`)
+tells the ledger which graph uses which parameters, so each graph's plan counts the gradients
+later graphs produce before its backward. The graphs run with AOTAutograd's eager kernels
 (`inner="aot_eager"`), so training matches eager as the whole-graph path does.
 """
 from __future__ import annotations
@@ -16,8 +18,9 @@ from typing import Any
 
 import torch
 
-from fxmem.backend import ledger_for, plans_for
+from fxmem.backend import ledger_for, open_ledger, plans_for
 from fxmem.errors import GIB, FxmemError, TraceError
+from fxmem.ledger import survey_step
 from fxmem.plan import Plan
 from fxmem.planner import PlanRequest
 
@@ -33,7 +36,7 @@ class DynamoStep:
                              "model captured as one graph (without them fxmem.optimize plans it through Dynamo)")
         self.options = {"budget_gb": request.budget_bytes / GIB, "inner": "aot_eager", "device": request.device,
                         "time_limit_s": request.time_limit_s, "solver": request.solver}
-        self.reason, self.warned = reason, False
+        self.reason, self.warned, self.model = reason, False, model
         self.compiled = torch.compile(model, backend="fxmem", options=self.options)
         log.info("fxmem: %s could not be captured as one graph (%s); planning its graphs through Dynamo",
                  request.model, reason.construct)
@@ -45,6 +48,8 @@ class DynamoStep:
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         ledger = ledger_for(self.options)
+        if ledger is None and torch.is_grad_enabled():  # the first step: learn which graphs use which parameters
+            ledger = open_ledger(self.options, self.model, survey_step(self.model, args, kwargs))
         before = [r.calls for r in ledger.records] if ledger is not None else []
         try:
             out = self.compiled(*args, **kwargs)

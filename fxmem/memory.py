@@ -9,7 +9,7 @@ rounding, BLAS workspaces, kernel scratch); the default adds nothing (the CPU). 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Hashable, Iterable, Sequence
 
 import torch
@@ -57,11 +57,22 @@ class AllocatorModel:
     `block_bytes`; a graph that runs a BLAS op holds one `workspace_bytes` workspace for the whole
     step (cuBLAS caches it per thread and stream from the first step on: one for forward, one for
     autograd's backward thread); an op in `scratch_ops` holds a scratch of its output's size while
-    it runs. The default is the CPU's: exact bytes, nothing else."""
+    it runs. `held_forward`/`held_backward`: bytes the rest of the step holds on the device while
+    this graph's forward / backward runs (other graphs' parameters and saved values, gradients
+    later graphs produced; `fxmem.ledger`). The default is the CPU's: exact bytes, nothing else."""
 
     block_bytes: int = 1
     workspace_bytes: int = 0
     scratch_ops: frozenset[str] = frozenset()
+    held_forward: int = 0
+    held_backward: int = 0
+
+    def held(self, phase: str) -> int:
+        return self.held_backward if phase == "backward" else self.held_forward
+
+    def holding(self, forward: int, backward: int) -> "AllocatorModel":
+        """This model with the rest of the step holding `forward` / `backward` bytes."""
+        return replace(self, held_forward=forward, held_backward=backward)
 
     @classmethod
     def for_device(cls, device: Any) -> "AllocatorModel":
@@ -130,7 +141,8 @@ class Walker:
     def record(self, name: str, phase: str, scratch: int = 0) -> None:
         self.names.append(name)
         self.phases.append(phase)
-        self.levels.append(self.static_bytes + self.workspace + sum(self.live.values()) + scratch)
+        self.levels.append(self.static_bytes + self.workspace + sum(self.live.values()) + scratch
+                           + self.allocator.held(phase))
 
     def walk(self, nodes: Sequence[torch.fx.Node], phase: str, *, keep: set[Hashable],
              counted_users: Any = None) -> None:

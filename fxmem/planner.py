@@ -39,6 +39,7 @@ from fxmem.schedule import JointSplit, Lowered, build_problem, split_joint
 from fxmem.solve.recompute import least_peak, solve
 from fxmem.solve.solution import Solution, make_solution
 
+HELD = "held by the step's other graphs"
 STEP_PASSES = (recompute_pass, offload_pass, pool_pass)
 
 MAX_TIGHTENINGS = 8
@@ -72,6 +73,7 @@ class PlanRequest:
     pool: bool | str = False
     calibrate: bool = False  # time the graph's kernels on the device here (fxmem.kernel_timer)
     resident_bytes: int = 0  # on the device for the whole step besides the graphs: the optimizer's state
+    held_bytes: tuple[int, int] = (0, 0)  # what the step's other graphs hold during this graph's forward, backward
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,7 @@ class Planner:
             plan.check_applies(model=self.request.model, signature=self.request.signature,
                                fingerprint=fingerprint, torch_version=torch.__version__)
             device = _device_named(plan.device, self.request.device)
-            self.allocator = AllocatorModel.for_device(device)
+            self.allocator = AllocatorModel.for_device(device).holding(*self.request.held_bytes)
             link = HOST_LINKS.get(plan.host_link, device.host_link)
             if plan.offload:  # the copies are timed by the clock of the device and link the plan was made for
                 self._price_copies(estimate(joint, device))
@@ -168,7 +170,7 @@ class Planner:
         timer = KernelTimer(_graph_device(joint)) if request.calibrate else None
         costs = estimate(joint, request.device, backward=set(split.backward), timer=timer and timer.seconds)
         self._price_copies(costs)
-        self.allocator = AllocatorModel.for_device(request.device)
+        self.allocator = AllocatorModel.for_device(request.device).holding(*request.held_bytes)
         lowered = build_problem(joint, split, costs, budget or 0, self.allocator)
         if request.offload:
             lowered = _allow_offload(lowered, split, costs, request.offload_min_bytes)
@@ -291,7 +293,8 @@ def _breakdown(split: JointSplit, allocator: AllocatorModel = EXACT) -> dict[str
         grads.update(storages_of(node))
     parts = {"parameters, buffers and inputs": sum(static.values()), "gradients": sum(grads.values())}
     workspaces = allocator.workspaces(split.forward, split.backward)
-    return parts | ({"BLAS workspaces": workspaces} if workspaces else {})
+    held = max(allocator.held_forward, allocator.held_backward)
+    return parts | ({"BLAS workspaces": workspaces} if workspaces else {}) | ({HELD: held} if held else {})
 
 
 def _node_rows(lowered: Lowered, costs: CostTable, saved: set[str], recomputed: set[str],

@@ -26,8 +26,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from fxmem.budget import budget_bytes
-from fxmem.cost import DeviceSpec, preset_for
 from fxmem.capture import describe_input
+from fxmem.cost import DeviceSpec, preset_for
 from fxmem.errors import GIB
 from fxmem.ledger import GraphRecord, Ledger
 from fxmem.plan import Plan

@@ -43,11 +43,13 @@ _LEDGERS: dict[int, tuple[dict, Ledger]] = {}
 _LOCK = threading.Lock()
 
 
-def open_ledger(options: dict, model: torch.nn.Module | None = None, survey: list | None = None) -> Ledger:
+def open_ledger(options: dict, model: torch.nn.Module | None = None, survey: list | None = None,
+                model_name: str = "") -> Ledger:
     """The ledger for the torch.compile call made with `options`, told the model and the step's survey
     (`fxmem.ledger.survey_step`), so other graphs' parameters and later graphs' gradients are known."""
     with _LOCK:
-        ledger = Ledger(budget_bytes(_validate(options)["budget_gb"]), model=model, survey=survey)
+        ledger = Ledger(budget_bytes(_validate(options)["budget_gb"]), model=model, survey=survey,
+                        model_name=model_name)
         _LEDGERS[id(options)] = (options, ledger)
     return ledger
 
@@ -178,7 +180,8 @@ def fxmem_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], optio
     request = PlanRequest(budget_bytes=budget, held_bytes=record.held,
                           device=device if isinstance(device, DeviceSpec) else DeviceSpec.from_name(device),
                           solver=options.get("solver", "auto"), time_limit_s=float(options.get("time_limit_s", 10.0)),
-                          model=f"dynamo graph {index}", signature=f"({', '.join(map(describe_input, example_inputs))})")
+                          model=ledger.model_name or f"dynamo graph {index}", capture=_where(gm, index, ledger),
+                          signature=f"({', '.join(map(describe_input, example_inputs))})")
     planner = _RecordingPlanner(request, ledger, record, options)
     if inner == "inductor":
         try:
@@ -201,6 +204,20 @@ def _counted(compiled: Callable[..., Any], record: GraphRecord) -> Callable[...,
 
     run._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
     return run
+
+
+def _where(gm: torch.fx.GraphModule, index: int, ledger: Ledger) -> str:
+    """'Dynamo graph k of n', and the graph break that ended this graph (reason, file:line)."""
+    count = f" of {len(ledger.survey)}" if ledger.survey else ""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is None or not getattr(reason, "graph_break", False):
+        return f"Dynamo graph {index + 1}{count}"
+    frames = getattr(reason, "user_stack", None) or []
+    at = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
+    text = " ".join(str(reason.reason).split())
+    if text.startswith("generic_jump"):
+        text = "a Python branch on a tensor's value"
+    return f"Dynamo graph {index + 1}{count}, ended by a graph break{at}: {text[:160]}"
 
 
 def _sources(gm: torch.fx.GraphModule) -> list[Any]:

@@ -36,7 +36,7 @@ class DynamoStep:
                              "model captured as one graph (without them fxmem.optimize plans it through Dynamo)")
         self.options = {"budget_gb": request.budget_bytes / GIB, "inner": "aot_eager", "device": request.device,
                         "time_limit_s": request.time_limit_s, "solver": request.solver}
-        self.reason, self.warned, self.model = reason, False, model
+        self.reason, self.warned, self.model, self.name = reason, False, model, request.model
         self.compiled = torch.compile(model, backend="fxmem", options=self.options)
         log.info("fxmem: %s could not be captured as one graph (%s); planning its graphs through Dynamo",
                  request.model, reason.construct)
@@ -49,7 +49,7 @@ class DynamoStep:
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         ledger = ledger_for(self.options)
         if ledger is None and torch.is_grad_enabled():  # the first step: learn which graphs use which parameters
-            ledger = open_ledger(self.options, self.model, survey_step(self.model, args, kwargs))
+            ledger = open_ledger(self.options, self.model, survey_step(self.model, args, kwargs), self.name)
         before = [r.calls for r in ledger.records] if ledger is not None else []
         try:
             out = self.compiled(*args, **kwargs)

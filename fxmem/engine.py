@@ -9,6 +9,8 @@ a progress line on stderr while the first call of a signature plans on a termina
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from typing import Any, Callable, Sequence
 
@@ -106,10 +108,17 @@ def plan_step(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any
     """Plan (or, with `request.plan`, check) a training step of `model` on fake tensors: nothing runs."""
     if not any(p.requires_grad for _, p in model.named_parameters()):
         raise ValueError("no parameter requires grad: there is no training step to plan")
-    planner = Planner(request)
-    trace_on_fakes(CompiledStep(model, capture(model, args, kwargs), planner), model, args, kwargs)
+    gm = capture(model, args, kwargs)
+    planner = Planner(captured_as(request, gm))
+    trace_on_fakes(CompiledStep(model, gm, planner), model, args, kwargs)
     assert planner.plan is not None
     return planner.plan
+
+
+def captured_as(request: PlanRequest, gm: torch.fx.GraphModule) -> PlanRequest:
+    """`request`, saying the step was captured as one graph and by which tracer."""
+    tracer = gm.meta.get("fxmem", {}).get("capture", "")
+    return dataclasses.replace(request, capture=f"one graph ({tracer})" if tracer else "one graph")
 
 
 def signature_of(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
@@ -152,7 +161,8 @@ class OptimizedModule(ModelWrapper):
             log.info("fxmem: planning %s %s", request.model, request.signature)
             with planning(f"planning {request.model} {short_signature(request.signature)}", request.time_limit_s):
                 try:
-                    step = CompiledStep(model, capture(model, args, kwargs), Planner(request))
+                    gm = capture(model, args, kwargs)
+                    step = CompiledStep(model, gm, Planner(captured_as(request, gm)))
                     out = step(dict(model_state(model)), args, kwargs)  # the first call traces and plans
                 except TraceError as exc:  # not one graph: Dynamo's graphs, under the same budget
                     from fxmem.dynamo_step import DynamoStep

@@ -110,6 +110,7 @@ class Ledger:
     budget_bytes: int
     model: torch.nn.Module | None = None
     survey: list[Storages] | None = None  # per graph call of one step, in order: the parameters it uses
+    model_name: str = ""  # the name plans of this step carry
     records: list[GraphRecord] = field(default_factory=list)
 
     def latest(self) -> list[GraphRecord]:

@@ -174,6 +174,7 @@ class Plan:
     graph_device: str = ""  # the device type of the fake tensors the graph was traced on ("cpu", "cuda")
     optimizer_state_bytes: int = 0  # on the device for the whole step (counted in the peaks and the budget)
     eager_peak_bytes: int | None = None  # PyTorch eager's step, MemTracker on fake tensors (fxmem.eager_meter)
+    capture: str = ""  # how the step was captured: one graph (and by which tracer) or Dynamo's graph k of n
     pool: PoolSection | None = None
     pipeline: PipelineSection | None = None
     devices: tuple[DeviceRow, ...] = ()

@@ -74,6 +74,7 @@ class PlanRequest:
     calibrate: bool = False  # time the graph's kernels on the device here (fxmem.kernel_timer)
     resident_bytes: int = 0  # on the device for the whole step besides the graphs: the optimizer's state
     held_bytes: tuple[int, int] = (0, 0)  # what the step's other graphs hold during this graph's forward, backward
+    capture: str = ""  # how the graph was captured, for the plan's table
 
 
 @dataclass(frozen=True)
@@ -202,7 +203,7 @@ class Planner:
             solver=solution.solver if solution else "none",
             solver_status=solution.status if solution else "optimal",
             solver_gap=solution.gap if solution else 0.0, solve_time_s=solve_time,
-            device=request.device.name, model=request.model, signature=request.signature,
+            device=request.device.name, model=request.model, signature=request.signature, capture=request.capture,
             fingerprint=fingerprint, torch_version=torch.__version__,
             breakdown=_breakdown(split, self.allocator),
             nodes=_node_rows(lowered, costs, set(saved), set(recomputed), set(offloaded)),

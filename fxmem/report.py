@@ -104,7 +104,8 @@ def _solver_text(plan: Any) -> str:
 
 def _step_rows(plan: Any) -> list[list[str]]:
     """Peak, budget, what every plan holds, and the cost of the plan."""
-    rows = [["eager peak (no recompute)", fmt_bytes(plan.baseline_peak_bytes)]]
+    rows = [["captured as", plan.capture]] if plan.capture else []
+    rows.append(["eager peak (no recompute)", fmt_bytes(plan.baseline_peak_bytes)])
     if plan.eager_peak_bytes:
         rows.append(["PyTorch eager's peak", f"{fmt_bytes(plan.eager_peak_bytes)} (MemTracker on fake tensors"
                      + (")" if plan.eager_peak_bytes >= plan.baseline_peak_bytes else

@@ -75,15 +75,13 @@ def test_bf16_plan_trains_like_aot_autograd_under_the_same_autocast():
     plan = optimized.plans[0]
     assert plan.recompute and plan.predicted_peak_bytes <= plan.budget_bytes
     assert "autocast(cpu:bfloat16)" in plan.signature
-    # AOTAutograd's traced step under autocast rounds like torch.compile's, exactly ...
+    # the forward rounds like torch.compile's traced step, and the whole step (dropout's backward
+    # included, passes/dropout_backward.py) like eager's, bit for bit
     torch.testing.assert_close(out, torch_out, atol=0, rtol=0)
-    for (name, p), q in zip(model.named_parameters(), compiled_ref.parameters()):
+    torch.testing.assert_close(out, eager_out, atol=0, rtol=0)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert p.grad.dtype == torch.float32
         torch.testing.assert_close(p.grad, q.grad, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
-    # ... and like eager within bf16 rounding.
-    torch.testing.assert_close(out, eager_out, atol=1e-2, rtol=1e-2)
-    for p, q in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, atol=1e-2, rtol=2e-2)
     with pytest.raises(fxmem.PlanMismatchError, match="autocast"):  # the plan needs its autocast
         step(fxmem.optimize(copy.deepcopy(reference), plan=plan), inputs)
 

@@ -98,5 +98,5 @@ def test_compile_backend_verbose_names_the_signature_once(capsys):
     compiled(torch.randn(2, 8)).sum().backward()
     out = capsys.readouterr().out
     header = next(line for line in out.splitlines() if line.startswith("fxmem: graph 0"))
-    assert "float32" not in header and "budget 1.0000 GiB of 1.0000 GiB" in header
+    assert "float32" not in header and "budget 1.0000 GiB for the step" in header
     assert out.count("float32[2,8]") == 1 and "inputs)" in out  # 9 inputs: the title shortens them

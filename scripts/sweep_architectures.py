@@ -19,7 +19,11 @@ from tabulate import tabulate
 
 import fxmem
 from fxmem.measure import measure_peak_bytes
-from tests.conftest import step
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root: tests.conftest
+from tests.conftest import step  # noqa: E402
 
 S, B = 32, 4
 

@@ -43,4 +43,12 @@ def partition(joint: torch.fx.GraphModule, saved: Iterable[str], *, num_fwd_outp
         raise KeyError(f"saved values not in the joint graph: {missing[:5]}")
     saved_nodes = [by_name[name] for name in sorted(saved, key=list(by_name).index)]
     fw, bw = _extract_fwd_bwd_modules(joint, saved_nodes, [], num_fwd_outputs=num_fwd_outputs)
-    return fw, reordering_to_mimic_autograd_engine(bw)
+    bw = reordering_to_mimic_autograd_engine(bw)
+    # A saved value backward ends up not reading (reordering drops its only reader, a node no gradient
+    # needs) would still be held from forward to the end of backward: extract again without it.
+    unread = {p.name for p in bw.graph.find_nodes(op="placeholder") if not p.users and not p.name.startswith("tangents")}
+    if unread:
+        saved_nodes = [n for n in saved_nodes if n.name not in unread]
+        fw, bw = _extract_fwd_bwd_modules(joint, saved_nodes, [], num_fwd_outputs=num_fwd_outputs)
+        bw = reordering_to_mimic_autograd_engine(bw)
+    return fw, bw

@@ -56,13 +56,29 @@ def split_joint(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> JointSplit
 
 
 def can_recompute(node: torch.fx.Node, mutated: frozenset[torch.fx.Node] = frozenset()) -> bool:
-    """Random ops are kept (recomputing them would draw new numbers); so are side effects and
-    ops that read an input written back after forward (backward would see the new value)."""
-    target = node.target
-    if node.op != "call_function" or node.is_impure() or any(i in mutated for i in node.all_input_nodes):
+    """Random ops are kept (recomputing them would draw new numbers) unless called to draw none; so
+    are side effects and ops that read an input written back after forward (backward would see the
+    new value)."""
+    if node.op != "call_function" or any(i in mutated for i in node.all_input_nodes):
         return False
-    tags = getattr(target, "tags", ())
-    return torch.Tag.nondeterministic_seeded not in tags
+    if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):  # fx counts these impure too
+        return draws_nothing(node)
+    return not node.is_impure()
+
+
+def draws_nothing(node: torch.fx.Node) -> bool:
+    """A random-tagged op called so that it draws no random numbers: attention with `dropout_p=0`
+    (every `scaled_dot_product_*` kernel is tagged for its dropout), dropout with p=0 or not training."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return False
+    given = {a.name: (node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value))
+             for i, a in enumerate(schema.arguments)}
+    if "dropout_p" in given:
+        return given["dropout_p"] == 0
+    if schema.name == "aten::native_dropout":
+        return given.get("p") == 0 or given.get("train") is False
+    return False
 
 
 def _multi_output(node: torch.fx.Node) -> bool:

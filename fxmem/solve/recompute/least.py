@@ -2,8 +2,8 @@
 whether it is proven least.
 
 Reads a `MemoryProblem`; returns a `LeastPeak`. Torch-free. Every search runs within the time
-limit and the best is kept: the greedy descent (fast, local), one option spread over repeated
-layers (`layered`, where the graph has them), then CP-SAT seeded with the best so far, in its
+limit and the best is kept: the greedy descent (fast, local), every repeated layer checkpointed
+(`checkpoint`) and one option spread over repeated layers (`layered`), where the graph has them, then CP-SAT seeded with the best so far, in its
 deterministic mode (the same decision every run: decisions of equal peak can simulate differently),
 and on graphs of up to `EXACT_CANDIDATES` candidates the exact time-indexed program, to prove it.
 The answer is proven when the exact program proves it or when it meets `peak_lower_bound`.
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from fxmem.problem import MemoryProblem, is_valid, peak_bytes, recompute_cost
 from fxmem.solve.recompute.bound import peak_lower_bound
+from fxmem.solve.recompute.checkpoint import checkpoint_layers
 from fxmem.solve.recompute.cpsat import cpsat_min_peak
 from fxmem.solve.recompute.exact import exact_min_peak
 from fxmem.solve.recompute.greedy import greedy_min_peak
@@ -58,6 +59,7 @@ def least_peak(problem: MemoryProblem, time_limit_s: float = 10.0) -> LeastPeak:
     offer(greedy_min_peak(problem, max(GREEDY_MIN_S, time_limit_s / 4)), "greedy")
     layers = find_layers(problem) if problem.num_values > EXACT_CANDIDATES else None
     if layers is not None:
+        offer(checkpoint_layers(problem, layers), "checkpoint every layer")
         layered = layered_min_peak(problem, left() / 2, layers)
         offer(layered[1] if layered else None, "layered")
     proved_peak = None  # the exact program's peak, when it proved it least

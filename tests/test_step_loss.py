@@ -162,3 +162,55 @@ def test_compiled_training_step_plans_its_loss_within_budget():
     assert measured <= budget, f"measured {measured} > budget {budget}"
     (plan,) = fxmem.backend.plans_for(options)
     assert any("nll_loss" in row.name or "log_softmax" in row.name for row in plan.nodes)
+
+
+def _hf_gpt2_labels():
+    """The loss inside the model (`labels=`), as transformers trains: logits are a second output."""
+    model, x, y = _hf_gpt2()
+    return model, (x,), {"labels": y}, None
+
+
+def _mistral_eager_attention():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+                                        attn_implementation="eager")
+    model = transformers.MistralForCausalLM(config)
+    return model, (torch.randint(0, 256, (4, 32)),), {}, torch.randint(0, 256, (4, 32))
+
+
+@pytest.mark.parametrize("build", [_hf_gpt2_labels, _mistral_eager_attention], ids=["gpt2-labels", "mistral-eager"])
+def test_three_adamw_steps_bit_identical_within_two_budgets(build):
+    """Loss inside the model or given as loss_fn: at two budgets below eager, three AdamW steps give
+    the same losses and parameters as eager bit for bit, and the measured peak stays within budget."""
+    model, args, kwargs, target = build()
+    model.train()
+    loss_fn = None if target is None else _ce
+    extra = {} if target is None else {"target": target}
+    plan_kwargs = {} if target is None else {"loss_fn": _ce, "example_target": target}
+    eager = fxmem.plan(model, args, example_kwargs=kwargs, **plan_kwargs).baseline_peak_bytes
+    with pytest.raises(fxmem.InfeasibleBudgetError) as info:
+        fxmem.plan(model, args, budget_gb=1e-6, example_kwargs=kwargs, time_limit_s=2, **plan_kwargs)
+    lowest = info.value.min_budget_bytes
+    for fraction in (0.7, 0.3):
+        budget = int(lowest + fraction * (eager - lowest))
+        reference, trained = copy.deepcopy(model), copy.deepcopy(model)
+        optimized = fxmem.optimize(trained, budget_gb=budget / GIB, time_limit_s=2,
+                                   **({} if loss_fn is None else {"loss_fn": loss_fn}))
+        ref_opt, opt = torch.optim.AdamW(reference.parameters()), torch.optim.AdamW(trained.parameters())
+        for k in range(3):
+            torch.manual_seed(k)
+            expected = reference(*args, **kwargs).loss if target is None else _ce(reference(*args), target)
+            expected.backward()
+            torch.manual_seed(k)
+            out = optimized(*args, **kwargs, **extra)
+            loss = out.loss if target is None else out
+            loss.backward()
+            torch.testing.assert_close(loss, expected, atol=0, rtol=0)
+            ref_opt.step(), opt.step()
+            ref_opt.zero_grad(), opt.zero_grad()
+        for (name, p), q in zip(trained.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p, q, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
+        measured = measure_peak_bytes(optimized, args, {**kwargs, **extra})
+        assert measured <= budget, f"{fraction}: measured {measured} > budget {budget}"

@@ -177,7 +177,7 @@ def fxmem_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], optio
     record = GraphRecord.of(index, frame, budget, example_inputs, _sources(gm))
     record.held = ledger.held_for(record)
     device = options.get("device") or _input_device(example_inputs)
-    request = PlanRequest(budget_bytes=budget, held_bytes=record.held,
+    request = PlanRequest(budget_bytes=budget, held_bytes=record.held, replay_random=inner != "inductor",
                           device=device if isinstance(device, DeviceSpec) else DeviceSpec.from_name(device),
                           solver=options.get("solver", "auto"), time_limit_s=float(options.get("time_limit_s", 10.0)),
                           model=ledger.model_name or f"dynamo graph {index}", capture=_where(gm, index, ledger),

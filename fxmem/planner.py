@@ -75,6 +75,7 @@ class PlanRequest:
     resident_bytes: int = 0  # on the device for the whole step besides the graphs: the optimizer's state
     held_bytes: tuple[int, int] = (0, 0)  # what the step's other graphs hold during this graph's forward, backward
     capture: str = ""  # how the graph was captured, for the plan's table
+    replay_random: bool = True  # random ops may be recomputed with their generator state (passes/rng.py)
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,7 @@ class Planner:
         costs = estimate(joint, request.device, backward=set(split.backward), timer=timer and timer.seconds)
         self._price_copies(costs)
         self.allocator = AllocatorModel.for_device(request.device).holding(*request.held_bytes)
-        lowered = build_problem(joint, split, costs, budget or 0, self.allocator)
+        lowered = build_problem(joint, split, costs, budget or 0, self.allocator, request.replay_random)
         if request.offload:
             lowered = _allow_offload(lowered, split, costs, request.offload_min_bytes)
         log.info("joint graph: %d forward and %d backward ops, %d values backward may need",
@@ -189,7 +190,9 @@ class Planner:
                 # nothing fits under the margin, but the step as PyTorch runs it fits the budget itself
                 log.info("no plan under the margin; the eager step fits the budget: keeping everything")
         solve_time = time.perf_counter() - start
-        saved = [n.name for n in chosen.bw.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")]
+        in_joint = {n.name for n in joint.graph.nodes}  # not the generator states passes/rng.py saves
+        saved = [n.name for n in chosen.bw.graph.find_nodes(op="placeholder")
+                 if not n.name.startswith("tangents") and n.name in in_joint]
         recomputed = _recomputed(chosen, split, self._views)
         offloaded = [lowered.nodes[i].name for i in sorted(chosen.offloaded)]
         exposed_s = offload_cost(lowered.problem, chosen.offloaded) / 1e9

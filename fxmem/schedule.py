@@ -55,15 +55,23 @@ def split_joint(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> JointSplit
                       mutated)
 
 
-def can_recompute(node: torch.fx.Node, mutated: frozenset[torch.fx.Node] = frozenset()) -> bool:
-    """Random ops are kept (recomputing them would draw new numbers) unless called to draw none; so
-    are side effects and ops that read an input written back after forward (backward would see the
-    new value)."""
+def can_recompute(node: torch.fx.Node, mutated: frozenset[torch.fx.Node] = frozenset(), replay: bool = True) -> bool:
+    """Random ops are recomputed with the generator state they drew from (`passes/rng.py`; with
+    `replay` False they are kept unless called to draw nothing). Side effects are kept, and so are
+    ops that read an input written back after forward (backward would see the new value)."""
     if node.op != "call_function" or any(i in mutated for i in node.all_input_nodes):
         return False
     if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):  # fx counts these impure too
-        return draws_nothing(node)
+        return draws_nothing(node) or (replay and replayable(node))
     return not node.is_impure()
+
+
+def replayable(node: torch.fx.Node) -> bool:
+    """A random op `passes/rng.py` can recompute with the same numbers: an aten op whose values live
+    on the CPU or a CUDA device (generators whose state can be saved and set)."""
+    values = [v for v in torch.utils._pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+    return (isinstance(node.target, torch._ops.OpOverload) and bool(values)
+            and all(v.device.type in ("cpu", "cuda") for v in values))
 
 
 def draws_nothing(node: torch.fx.Node) -> bool:
@@ -93,7 +101,7 @@ class Lowered:
 
 
 def build_problem(joint: torch.fx.GraphModule, split: JointSplit, costs: CostTable, budget: int,
-                  allocator: AllocatorModel = EXACT) -> Lowered:
+                  allocator: AllocatorModel = EXACT, replay_random: bool = True) -> Lowered:
     steps = list(split.forward) + list(split.backward)
     step_of = {n: i for i, n in enumerate(steps)}
     num_fw = len(split.forward)
@@ -133,7 +141,7 @@ def build_problem(joint: torch.fx.GraphModule, split: JointSplit, costs: CostTab
         columns["aliases"].append(view)
         columns["needed"].append(bool(reads))
         columns["can_save"].append(not view and not _multi_output(node))
-        columns["can_recompute"].append(can_recompute(node, split.mutated))
+        columns["can_recompute"].append(can_recompute(node, split.mutated, replay_random))
         columns["saved_from"].append(max((fw_death.get(k, step_of[node]) for k in own), default=step_of[node]) + 1)
         columns["need_first"].append(min(reads) if reads else NEVER)
         last = max(reads + [bw_death[k] for k in storages_of(node) if k in bw_death]) if reads else NEVER

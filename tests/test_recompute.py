@@ -6,14 +6,15 @@ import copy
 
 import pytest
 import torch
+from fxmem.passes.recompute import recompute_pass
+from fxmem.passes.rng import run_with_rng_state
+from fxmem.passes.runner import StepGraphs
 from torch.utils.checkpoint import CheckpointPolicy
 
 import fxmem
 from fxmem import models
 from fxmem.capture import capture
 from fxmem.engine import CompiledStep, trace_on_fakes
-from fxmem.passes.recompute import recompute_pass
-from fxmem.passes.runner import StepGraphs
 from fxmem.planner import Planner, PlanRequest
 from tests.conftest import GIB
 
@@ -35,9 +36,12 @@ def test_backward_receives_the_saved_values_and_recomputes_the_rest():
 
     graphs = recompute_pass(StepGraphs(keep.joint, keep.num_fwd_outputs), plan)
     received = {p.name for p in graphs.bw.graph.find_nodes(op="placeholder") if not p.name.startswith("tangents")}
-    assert received == set(plan.saved)
+    states = {name for name in received if name.endswith("_rng_state")}  # a recomputed dropout's generator
+    assert received - states == set(plan.saved)
     computed = {n.name for n in graphs.bw.graph.nodes if n.op == "call_function"}
-    assert set(plan.recompute) <= computed
+    replayed = {n.name for n in graphs.bw.graph.nodes if n.target is run_with_rng_state}
+    assert set(plan.recompute) <= computed | replayed
+    assert len(replayed) == len(states)  # one generator state saved per random op backward replays
     policy = {n.name: n.meta.get("recompute") for n in keep.joint.graph.nodes}
     assert {policy[name] for name in plan.recompute} == {CheckpointPolicy.MUST_RECOMPUTE}
     assert {policy[name] for name in plan.saved} == {CheckpointPolicy.MUST_SAVE}

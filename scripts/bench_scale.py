@@ -1,0 +1,81 @@
+#!/usr/bin/env python
+"""The least budget at the size people train: transformers GPT-2 shapes of 12, 24 and 48 layers with
+their loss (cross-entropy as `loss_fn`, dropout 0.1 as GPT-2's config), planned on fake tensors
+(nothing runs). Per shape: the least budget found within the time limit, the lower bound no plan can
+go below, their gap, which search found it, and the seconds the search took (the capture and
+AOTAutograd trace before it are reported apart). Prints a markdown table.
+
+examples:
+  python scripts/bench_scale.py
+  python scripts/bench_scale.py --shapes 12x768x8x1024 --time-limit 30
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+from tabulate import tabulate
+
+import fxmem
+import fxmem.planner
+
+MIB = 2**20
+SHAPES = ("12x768x8x1024", "24x1024x4x1024", "48x768x2x1024")  # layers x width x batch x sequence
+
+
+def cross_entropy(out, target):
+    return F.cross_entropy(out.logits.flatten(0, 1), target.flatten())
+
+
+def row(shape: str, time_limit: float) -> dict:
+    import transformers
+
+    layers, width, batch, seq = map(int, shape.split("x"))
+    config = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=width // 64, n_positions=seq,
+                                     use_cache=False)
+    with torch.device("cpu"):
+        model = transformers.GPT2LMHeadModel(config).train()
+    ids = torch.randint(0, config.vocab_size, (batch, seq))
+    searched = {}
+    least_peak = fxmem.planner.least_peak
+
+    def timed(problem, *args, **kwargs):
+        started = time.perf_counter()
+        found = least_peak(problem, *args, **kwargs)
+        searched.update(seconds=time.perf_counter() - started, values=problem.num_values, found=found)
+        return found
+
+    fxmem.planner.least_peak = timed
+    started = time.perf_counter()
+    try:
+        fxmem.plan(model, (ids,), budget_gb=1e-6, loss_fn=cross_entropy, example_target=ids,
+                   time_limit_s=time_limit)
+    except fxmem.InfeasibleBudgetError:
+        pass
+    finally:
+        fxmem.planner.least_peak = least_peak
+    total = time.perf_counter() - started
+    found = searched["found"]
+    return {"shape (layers x width x batch x seq)": shape, "values": searched["values"],
+            "least found MiB": f"{found.peak / MIB:.1f}", "lower bound MiB": f"{found.lower_bound / MIB:.1f}",
+            "gap": "proven" if found.proven else f"{found.gap:.1%}", "found by": found.method,
+            "search s": f"{searched['seconds']:.1f}", "whole plan s": f"{total:.0f}"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), help="layers x width x batch x sequence")
+    p.add_argument("--time-limit", type=float, default=10.0, help="solver limit, seconds (default 10)")
+    args = p.parse_args(argv)
+    rows = []
+    for shape in args.shapes:
+        rows.append(row(shape, args.time_limit))
+        print(rows[-1], flush=True)
+    print(tabulate(rows, headers="keys", tablefmt="github"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

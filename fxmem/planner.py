@@ -4,7 +4,7 @@ Reads the joint graph AOTAutograd traces (its `meta["val"]`), costs it, builds t
 solves it, and checks each candidate decision by simulating the forward and backward graphs it
 produces; tightens the solver's budget until the simulated peak fits. With offload allowed it plans
 recompute-only too and keeps the faster of the two plans that fit. Applying a given Plan instead
-checks its fingerprint first. Then runs the step's passes (`STEP_PASSES`: recompute, offload, pool)
+checks its fingerprint first. Then runs the step's passes (`STEP_PASSES`: recompute, rng, offload, pool)
 on the graphs for that plan. Keeps the Plan on `self.plan`; writes what the passes write in `meta`.
 """
 from __future__ import annotations
@@ -31,6 +31,7 @@ from fxmem.passes.dropout_backward import eager_dropout_backward
 from fxmem.passes.offload import offload, offload_pass
 from fxmem.passes.pool import pool_pass, pool_stats
 from fxmem.passes.recompute import partition, recompute_pass
+from fxmem.passes.rng import replay_random_ops, rng_pass
 from fxmem.passes.runner import StepGraphs, run_passes
 from fxmem.plan import NodeRow, Plan, PoolSection, graph_fingerprint
 from fxmem.problem import eager_decision, enable_offload, offload_cost, saved_set
@@ -40,7 +41,7 @@ from fxmem.solve.recompute import least_peak, solve
 from fxmem.solve.solution import Solution, make_solution
 
 HELD = "held by the step's other graphs"
-STEP_PASSES = (recompute_pass, offload_pass, pool_pass)
+STEP_PASSES = (recompute_pass, rng_pass, offload_pass, pool_pass)
 
 MAX_TIGHTENINGS = 8
 log = logging.getLogger("fxmem")
@@ -149,6 +150,7 @@ class Planner:
                    offloaded: frozenset[int] = frozenset()) -> _Candidate:
         names = _saved_names(lowered, recompute)
         fw, bw = partition(joint, names, num_fwd_outputs=self.num_fwd_outputs)
+        replay_random_ops(fw, bw)  # as rng_pass will: the simulation sees the saved generator states
         fw, bw = self._offload(fw, bw, [lowered.nodes[i].name for i in sorted(offloaded)])
         return _Candidate(recompute, fw, bw, simulate_step(fw, bw, self.num_fwd_outputs, self.allocator),
                           frozenset(offloaded))

@@ -122,7 +122,7 @@ def build_problem(joint: torch.fx.GraphModule, split: JointSplit, costs: CostTab
     walker.exclude = forward_keys - held
     walker.walk(list(split.tangents) + list(split.backward) + [output_node], "backward",
                 keep=held | grads)
-    base = tuple(walker.levels)
+    base = _with_rng_states(walker.levels, split, step_of, replay_random, allocator)
 
     bw_death = _storage_death(split.backward, step_of, lambda u: u in step_of)
     relevant = _needed_transitively(split.forward, step_of, num_fw)
@@ -149,6 +149,31 @@ def build_problem(joint: torch.fx.GraphModule, split: JointSplit, costs: CostTab
     problem = MemoryProblem(names=tuple(n.name for n in nodes), base=base, budget=int(budget),
                             **{k: tuple(v) for k, v in columns.items()})
     return Lowered(problem, tuple(nodes), split.primals)
+
+
+def _with_rng_states(levels, split: JointSplit, step_of, replay_random: bool, allocator: AllocatorModel
+                     ) -> tuple[int, ...]:
+    """Levels with the generator state of every random op that may be recomputed held from the op
+    to the end of the step: the state `passes/rng.py` saves is priced conservatively in the base,
+    whether the plan keeps the op's output or recomputes it (5056 bytes per op on the CPU; a CUDA
+    state lives on the host and costs the device nothing)."""
+    levels = list(levels)
+    for node in split.forward:
+        random = torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+        if not (replay_random and random and replayable(node) and not draws_nothing(node)
+                and can_recompute(node, split.mutated, replay_random)):
+            continue
+        size = allocator.round(rng_state_bytes(node))
+        for i in range(step_of[node], len(levels)):
+            levels[i] += size
+    return tuple(levels)
+
+
+def rng_state_bytes(node: torch.fx.Node) -> int:
+    """Bytes on the node's device of the generator state saved to replay it: CPU's
+    `torch.get_rng_state()`; 0 for CUDA, whose (seed, offset) is a host tensor."""
+    values = [v for v in torch.utils._pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+    return torch.get_rng_state().numel() if values and values[0].device.type == "cpu" else 0
 
 
 def _needed_transitively(forward, step_of, num_fw) -> set[torch.fx.Node]:

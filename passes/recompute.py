@@ -14,7 +14,6 @@ import torch.fx
 from torch._functorch.partitioners import _extract_fwd_bwd_modules, reordering_to_mimic_autograd_engine
 from torch.utils.checkpoint import CheckpointPolicy
 
-from fxmem.passes.rng import replay_random_ops
 from fxmem.passes.runner import StepGraphs
 
 
@@ -52,5 +51,4 @@ def partition(joint: torch.fx.GraphModule, saved: Iterable[str], *, num_fwd_outp
         saved_nodes = [n for n in saved_nodes if n.name not in unread]
         fw, bw = _extract_fwd_bwd_modules(joint, saved_nodes, [], num_fwd_outputs=num_fwd_outputs)
         bw = reordering_to_mimic_autograd_engine(bw)
-    replay_random_ops(fw, bw)
     return fw, bw

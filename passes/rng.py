@@ -1,24 +1,31 @@
 """RNG replay: a random op the plan recomputes draws the same numbers in backward as in forward.
 
-Reads and rewrites the forward and backward graphs the recompute pass extracted (called from
-`passes/recompute.partition`, so the planner's simulation sees the saved states). For each random
+Reads and rewrites the forward and backward graphs the recompute pass extracted (`rng_pass`, in the
+planner's `STEP_PASSES` after `recompute_pass`, which both `fxmem.optimize` and the `torch.compile`
+backend run; the planner also runs `replay_random_ops` on every candidate it simulates, so the
+simulation sees the saved states). Tags first (`meta["fxmem"]["rng"]`: "save" on the forward op,
+"replay" on backward's copy), then rewrites. For each random
 op (`torch.Tag.nondeterministic_seeded`, e.g. `native_dropout`) that backward recomputes, forward
 runs it through `run_and_save_rng_state`, which saves the generator's state before the op (CPU:
 `torch.get_rng_state()`, 5056 bytes; CUDA: the philox seed and offset, on the host) and then runs
 it as eager would, so the generator advances as in eager; the state is one more saved value.
 Backward's copy runs through `run_with_rng_state(state, op, ...)`, which sets that state, runs the
 op and puts the generator back: the mask is bit-identical and later draws are unaffected. The two
-mirror the higher-order ops of AOTAutograd's `functionalize_rng_ops`, as plain functions, so
-dispatch modes (MemTracker) see the ops inside them; Inductor cannot compile them, so the compile
-backend asks for this only with `inner="aot_eager"`.
+mirror the higher-order ops `torch._prims.rng_prims` gives AOTAutograd's `functionalize_rng_ops`,
+as plain functions: those ops raise NotImplementedError under a dispatch mode without a rule for
+them (MemTracker, the eager meter), while these let such modes see the op inside. Inductor cannot
+compile a plain function, so the compile backend asks for replay only with `inner="aot_eager"`
+(with Inductor random ops are kept, as before).
 """
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import torch
 import torch.fx
 
+from fxmem.passes.runner import StepGraphs
 from fxmem.schedule import draws_nothing
 
 
@@ -53,18 +60,40 @@ def draws(node: torch.fx.Node) -> bool:
             and not draws_nothing(node))
 
 
-def replay_random_ops(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> int:
-    """Rewrite the random ops backward recomputes; returns how many."""
+def rng_pass(graphs: StepGraphs, plan: Any) -> StepGraphs:
+    """The forward and backward graphs with every recomputed random op replayed from its saved state."""
+    replay_random_ops(graphs.fw, graphs.bw)
+    return graphs
+
+
+def tag_replayed(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """Backward's copies of forward's random ops (a random op backward runs under a forward node's
+    name is a recomputation); tags both. Returns backward's copies."""
     forward = {n.name: n for n in fw.graph.nodes if n.op == "call_function"}
     recomputed = [n for n in bw.graph.nodes if draws(n) and n.name in forward]
+    for copy in recomputed:
+        for node, role in ((forward[copy.name], "save"), (copy, "replay")):  # meta dicts are shallow copies
+            node.meta["fxmem"] = {**node.meta.get("fxmem", {}), "rng": role}
+    return recomputed
+
+
+def replay_random_ops(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> int:
+    """Rewrite the random ops backward recomputes; returns how many."""
+    recomputed = tag_replayed(fw, bw)
+    forward = {n.name: n for n in fw.graph.nodes if n.op == "call_function"}
     if not recomputed:
         return 0
+    # AOTAutograd passes backward the saved sizes, then the saved tensors, then the tangents, and
+    # forward returns its outputs, the saved tensors, then the saved sizes: each state goes last
+    # among the saved tensors on both sides
     placeholders = list(bw.graph.find_nodes(op="placeholder"))
     tangents = [p for p in placeholders if p.name.startswith("tangents")]
-    if any(not isinstance(p.meta.get("val"), torch.Tensor) for p in placeholders if p not in tangents):
-        raise NotImplementedError("replaying a random op's generator in a graph that saves symbolic sizes")
     fw_output = fw.graph.output_node()
-    saved = list(fw_output.args[0])
+    outputs = list(fw_output.args[0])
+    sizes = 0
+    while sizes < len(outputs) and _is_size(outputs[len(outputs) - 1 - sizes]):
+        sizes += 1
+    saved, saved_sizes = outputs[:len(outputs) - sizes], outputs[len(outputs) - sizes:]
     for copy in recomputed:
         state = _save_state(fw, forward[copy.name])
         saved.append(state)
@@ -72,17 +101,22 @@ def replay_random_ops(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> int
         with where:
             state_in = bw.graph.placeholder(state.name)
         placeholders.append(state_in)
-        state_in.meta["val"] = state.meta["val"]
+        state_in.meta = dict(state.meta)
         with bw.graph.inserting_before(copy):
             replay = bw.graph.call_function(run_with_rng_state, (state_in, copy.target, *copy.args), dict(copy.kwargs))
         replay.meta = dict(copy.meta)
         copy.replace_all_uses_with(replay)
         bw.graph.erase_node(copy)
-    fw_output.args = (tuple(saved),)
+    fw_output.args = (tuple(saved + saved_sizes),)
     for gm in (fw, bw):
         gm.graph.lint()
         gm.recompile()
     return len(recomputed)
+
+
+def _is_size(value: Any) -> bool:
+    """A symbolic size forward saves for backward (a node whose value is not a tensor)."""
+    return isinstance(value, torch.fx.Node) and isinstance(value.meta.get("val"), (torch.SymInt, int))
 
 
 def _save_state(fw: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.Node:
@@ -100,6 +134,8 @@ def _save_state(fw: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.Node:
         out = fw.graph.call_function(operator.getitem, (pair, 1))
     pair.meta = {**node.meta, "val": (state_val, value)}
     state.meta = {"val": state_val}
+    if fake.device.type != "cpu":  # CUDA's state is a host tensor: no device bytes
+        state.meta["fxmem"] = {"host": True}
     out.meta = dict(node.meta)
     node.replace_all_uses_with(out)
     fw.graph.erase_node(node)

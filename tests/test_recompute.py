@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 from fxmem.passes.recompute import recompute_pass
-from fxmem.passes.rng import run_with_rng_state
+from fxmem.passes.rng import rng_pass, run_with_rng_state
 from fxmem.passes.runner import StepGraphs
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -34,7 +34,7 @@ def test_backward_receives_the_saved_values_and_recomputes_the_rest():
     keep = _KeepJoint(PlanRequest(plan=plan, model=plan.model, signature=plan.signature))
     trace_on_fakes(CompiledStep(model, capture(model, inputs, {}), keep), model, inputs, {})
 
-    graphs = recompute_pass(StepGraphs(keep.joint, keep.num_fwd_outputs), plan)
+    graphs = rng_pass(recompute_pass(StepGraphs(keep.joint, keep.num_fwd_outputs), plan), plan)
     received = {p.name for p in graphs.bw.graph.find_nodes(op="placeholder") if not p.name.startswith("tangents")}
     states = {name for name in received if name.endswith("_rng_state")}  # a recomputed dropout's generator
     assert received - states == set(plan.saved)

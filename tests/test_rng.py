@@ -6,12 +6,12 @@ import copy
 
 import pytest
 import torch
-import torch.nn as nn
-from fxmem.passes.rng import run_and_save_rng_state, run_with_rng_state
+from torch import nn
 
 import fxmem
 import fxmem.planner
 from fxmem.measure import measure_peak_bytes
+from fxmem.passes.rng import run_and_save_rng_state, run_with_rng_state
 from tests.conftest import GIB, assert_trains_like, step
 
 
@@ -92,3 +92,57 @@ def test_dropout_models_plan_lower_than_keeping_every_mask():
     eager = fxmem.plan(model, inputs).baseline_peak_bytes
     assert replayed < kept.value.min_budget_bytes
     print(f"least budget: {kept.value.min_budget_bytes / eager:.0%} of eager keeping masks, {replayed / eager:.0%} replaying")
+
+
+def _least_kept(model, inputs) -> int:
+    """The least budget with random ops always kept (as before passes/rng.py)."""
+    from fxmem.engine import plan_step
+    from fxmem.planner import PlanRequest
+
+    with pytest.raises(fxmem.InfeasibleBudgetError) as kept:
+        plan_step(model, inputs, {}, PlanRequest(budget_bytes=1, replay_random=False, time_limit_s=5))
+    return kept.value.min_budget_bytes
+
+
+def _three_steps_like_eager(reference, optimized, model, inputs):
+    for _ in range(3):
+        assert_trains_like(reference, optimized, inputs)
+        assert torch.equal(torch.get_rng_state(), _after_eager_step(reference, inputs))
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), reference.parameters()):
+                p -= 0.1 * p.grad
+                q -= 0.1 * q.grad
+
+
+def test_compile_backend_replays_dropout(replays):
+    """torch.compile(backend="fxmem") with eager kernels runs the same passes: below the least budget
+    that keeps every mask, dropout is recomputed and training is eager's bit for bit."""
+    torch.manual_seed(0)
+    model, inputs = _DropoutCnn().train(), (torch.randn(8, 3, 16, 16),)
+    kept, least = _least_kept(model, inputs), _least(model, inputs)
+    assert least < kept
+    budget = (least + kept) // 2
+    reference = copy.deepcopy(model)
+    model.compile(backend="fxmem", options={"budget_gb": budget / GIB, "inner": "aot_eager", "time_limit_s": 5})
+    _three_steps_like_eager(reference, model, model, inputs)
+    saves, replayed = replays[-1]
+    assert saves == replayed > 0
+    assert measure_peak_bytes(model, inputs) <= budget
+
+
+def test_gpt_with_dropout_below_least_keeping_masks(replays):
+    """The zoo's gpt-tiny (dropout 0.1 after attention, projections and MLP) at a budget no plan
+    keeping every dropout output meets: trains like eager, within budget."""
+    import models
+
+    torch.manual_seed(0)
+    model, inputs = models.from_name("gpt-tiny").train(), models.example_inputs("gpt-tiny")
+    kept, least = _least_kept(model, inputs), _least(model, inputs)
+    assert least < kept
+    budget = (least + kept) // 2
+    reference = copy.deepcopy(model)
+    optimized = fxmem.optimize(model, budget_gb=budget / GIB, time_limit_s=5)
+    _three_steps_like_eager(reference, optimized, model, inputs)
+    saves, replayed = replays[-1]
+    assert saves == replayed > 0
+    assert measure_peak_bytes(optimized, inputs) <= budget

@@ -37,7 +37,11 @@ class LossStep(ModelWrapper):
         elif not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise LossFnError("loss_fn must return a tensor with one element (the loss), got "
                              + (f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__))
-        return (loss, outputs) if self.fxmem_keep_outputs else loss
+        if not self.fxmem_keep_outputs:
+            return loss
+        # kept for the caller to read (metrics), not to backpropagate: detached, backward gets no zero
+        # tangent for them (an autograd.Function materializes one for every output given no gradient)
+        return loss, torch.utils._pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, outputs)
 
     @property
     def display_name(self) -> str:

@@ -121,6 +121,7 @@ def test_keep_outputs_returns_them_and_bad_loss_is_clear():
     optimized = fxmem.optimize(model, budget_gb=1.0, loss_fn=_ce, keep_outputs=True)
     loss, logits = optimized(x, target=y)
     torch.testing.assert_close(loss, _ce(logits, y))
+    assert loss.requires_grad and not logits.requires_grad  # kept to read, so backward gets no tangent for them
     with pytest.raises(ValueError, match="one element"):
         fxmem.optimize(copy.deepcopy(model), budget_gb=1.0, loss_fn=lambda out, t: out)(x, target=y)
     with pytest.raises(ValueError, match="go with loss_fn"):
@@ -214,3 +215,24 @@ def test_three_adamw_steps_bit_identical_within_two_budgets(build):
             torch.testing.assert_close(p, q, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
         measured = measure_peak_bytes(optimized, args, {**kwargs, **extra})
         assert measured <= budget, f"{fraction}: measured {measured} > budget {budget}"
+
+
+def test_loss_inside_the_model_as_loss_fn_has_no_zero_tangent_for_the_logits():
+    """`labels=` inside a transformers model: given as loss_fn=lambda out, _: out.loss, the logits are no
+    longer an output, so backward gets no logits-sized zero tangent; training still equals eager's."""
+    model, x, y = _hf_gpt2()
+    inside = fxmem.plan(model, (x,), example_kwargs={"labels": y})
+    as_loss_fn = fxmem.plan(model, (x,), example_kwargs={"labels": y}, loss_fn=lambda out, _: out.loss)
+    logits = x.numel() * model.config.vocab_size * 4
+    assert inside.baseline_peak_bytes - as_loss_fn.baseline_peak_bytes >= logits
+    reference = copy.deepcopy(model)
+    optimized = fxmem.optimize(model, budget_gb=1.0, loss_fn=lambda out, _: out.loss)
+    torch.manual_seed(1)
+    expected = reference(x, labels=y).loss
+    expected.backward()
+    torch.manual_seed(1)
+    loss = optimized(x, labels=y)
+    loss.backward()
+    torch.testing.assert_close(loss, expected, atol=0, rtol=0)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")

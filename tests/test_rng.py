@@ -59,13 +59,7 @@ def test_recomputed_dropout_draws_eagers_masks(replays):
     budget = _least(model, inputs) + (eager - _least(model, inputs)) // 10
     reference = copy.deepcopy(model)
     optimized = fxmem.optimize(model, budget_gb=budget / GIB, time_limit_s=5)
-    for seed in range(3):  # three steps: masks, gradients, BatchNorm statistics and the generator as eager's
-        assert_trains_like(reference, optimized, inputs)
-        assert torch.equal(torch.get_rng_state(), _after_eager_step(reference, inputs))
-        with torch.no_grad():
-            for p, q in zip(model.parameters(), reference.parameters()):
-                p -= 0.1 * p.grad
-                q -= 0.1 * q.grad
+    _three_steps_like_eager(reference, optimized, model, inputs)  # masks, gradients, BatchNorm stats, generator
     saves, replayed = replays[-1]
     assert saves == replayed > 0
     assert measure_peak_bytes(optimized, inputs) <= budget
@@ -81,17 +75,12 @@ def _after_eager_step(reference, inputs):
 def test_dropout_models_plan_lower_than_keeping_every_mask():
     """The BatchNorm+dropout CNN could not go below about 60% of its eager peak while dropout outputs
     were kept; with replay its least budget is lower."""
-    from fxmem.engine import plan_step
-    from fxmem.planner import PlanRequest
-
     torch.manual_seed(0)
     model, inputs = _DropoutCnn().train(), (torch.randn(8, 3, 16, 16),)
-    with pytest.raises(fxmem.InfeasibleBudgetError) as kept:
-        plan_step(model, inputs, {}, PlanRequest(budget_bytes=1, replay_random=False, time_limit_s=5))
-    replayed = _least(model, inputs)
+    kept, replayed = _least_kept(model, inputs), _least(model, inputs)
     eager = fxmem.plan(model, inputs).baseline_peak_bytes
-    assert replayed < kept.value.min_budget_bytes
-    print(f"least budget: {kept.value.min_budget_bytes / eager:.0%} of eager keeping masks, {replayed / eager:.0%} replaying")
+    assert replayed < kept
+    print(f"least budget: {kept / eager:.0%} of eager keeping masks, {replayed / eager:.0%} replaying")
 
 
 def _least_kept(model, inputs) -> int:

@@ -38,6 +38,9 @@ from fxmem.problem import eager_decision, enable_offload, offload_cost, saved_se
 from fxmem.resident import refusal_with_resident, with_resident
 from fxmem.schedule import JointSplit, Lowered, build_problem, split_joint
 from fxmem.solve.recompute import least_peak, solve
+from fxmem.solve.recompute.checkpoint import checkpoint_layers
+from fxmem.solve.recompute.layers import find_layers
+from fxmem.solve.recompute.least import EXACT_CANDIDATES
 from fxmem.solve.solution import Solution, make_solution
 
 HELD = "held by the step's other graphs"
@@ -267,9 +270,15 @@ class Planner:
         started = time.perf_counter()
         log.info("searching for the least feasible budget")
         least = least_peak(problem, request.time_limit_s)
-        lowest = self._candidate(joint, lowered, least.recompute)
+        lowest, chosen = self._candidate(joint, lowered, least.recompute), least.recompute
+        layers = find_layers(problem) if problem.num_values > EXACT_CANDIDATES else None
+        if layers is not None:  # the problem counts a recomputed chain as alive at once; the graphs do not
+            checkpointed = checkpoint_layers(problem, layers)
+            candidate = self._candidate(joint, lowered, checkpointed)
+            if candidate.timeline.peak < lowest.timeline.peak:
+                lowest, chosen = candidate, checkpointed
         if lowest.timeline.peak <= budget:
-            solution = make_solution(problem, least.recompute, "feasible", 0, started, "min-peak")
+            solution = make_solution(problem, chosen, "feasible", 0, started, "min-peak")
             return lowest, solution, _with_margin(lowest.timeline.peak)
         breakdown = _breakdown(split, self.allocator)
         breakdown["smallest activation set"] = max(0, lowest.timeline.peak - sum(breakdown.values()))

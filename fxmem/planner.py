@@ -34,19 +34,22 @@ from fxmem.passes.recompute import partition, recompute_pass
 from fxmem.passes.rng import replay_random_ops, rng_pass
 from fxmem.passes.runner import StepGraphs, run_passes
 from fxmem.plan import NodeRow, Plan, PoolSection, graph_fingerprint
-from fxmem.problem import eager_decision, enable_offload, offload_cost, saved_set
+from fxmem.problem import eager_decision, enable_offload, offload_cost, recompute_cost, saved_set
 from fxmem.resident import refusal_with_resident, with_resident
 from fxmem.schedule import JointSplit, Lowered, build_problem, split_joint
 from fxmem.solve.recompute import least_peak, solve
 from fxmem.solve.recompute.checkpoint import checkpoint_layers
 from fxmem.solve.recompute.layers import find_layers
 from fxmem.solve.recompute.least import EXACT_CANDIDATES
+from fxmem.solve.recompute.phases import phase_peak
+from fxmem.solve.recompute.relax import relax
 from fxmem.solve.solution import Solution, make_solution
 
 HELD = "held by the step's other graphs"
 STEP_PASSES = (recompute_pass, rng_pass, offload_pass, pool_pass)
 
 MAX_TIGHTENINGS = 8
+RELAX_TRIES, RELAX_SHARE = 3, 0.1  # slack spending: simulations, and share of the time limit per try
 log = logging.getLogger("fxmem")
 # Plans aim a little below the budget: the simulator sizes storages from fake tensors, and a few
 # kernels allocate more than that (CPU mse_loss returns a scalar whose storage is the size of its
@@ -264,7 +267,7 @@ class Planner:
                 break
             target -= candidate.timeline.peak - budget
         if best is not None:
-            return best[0], best[1], None
+            return *self._spend_slack(joint, lowered, *best, budget), None
         if not fallback:
             return None
         started = time.perf_counter()
@@ -279,13 +282,36 @@ class Planner:
                 lowest, chosen = candidate, checkpointed
         if lowest.timeline.peak <= budget:
             solution = make_solution(problem, chosen, "feasible", 0, started, "min-peak")
-            return lowest, solution, _with_margin(lowest.timeline.peak)
+            return *self._spend_slack(joint, lowered, lowest, solution, budget), _with_margin(lowest.timeline.peak)
         breakdown = _breakdown(split, self.allocator)
         breakdown["smallest activation set"] = max(0, lowest.timeline.peak - sum(breakdown.values()))
         breakdown["planning margin"] = _with_margin(lowest.timeline.peak) - lowest.timeline.peak
         bound = min(least.lower_bound, lowest.timeline.peak)
         raise InfeasibleBudgetError(int(budget + margin), _with_margin(lowest.timeline.peak), breakdown,
                                     lower_bound_bytes=_with_margin(bound), proven=least.proven)
+
+
+    def _spend_slack(self, joint, lowered: Lowered, candidate: _Candidate, solution: Solution, budget: int
+                     ) -> tuple[_Candidate, Solution]:
+        """Keep what the solver recomputed while the simulated graphs stay within `budget`
+        (`fxmem.solve.recompute.relax`: the solvers count a recomputed chain as alive at once);
+        `candidate` itself when nothing cheaper fits. Recompute-only decisions."""
+        problem = lowered.problem
+        if candidate.offloaded:
+            return candidate, solution
+        started, layers = time.perf_counter(), find_layers(problem)
+        target, cost = budget, recompute_cost(problem, candidate.recompute)
+        for _ in range(RELAX_TRIES):
+            kept = relax(problem, candidate.recompute, target, self.request.time_limit_s * RELAX_SHARE, layers)
+            if recompute_cost(problem, kept) >= cost:
+                break
+            relaxed = self._candidate(joint, lowered, kept)
+            if relaxed.timeline.peak <= budget:
+                log.info("kept what fits the slack: recompute %.1f -> %.1f ms, simulated peak %s",
+                         cost / 1e6, recompute_cost(problem, kept) / 1e6, fmt_bytes(relaxed.timeline.peak))
+                return relaxed, make_solution(problem, kept, "feasible", 0, started, f"{solution.solver}+relax")
+            target = min(target, phase_peak(problem, kept)) - (relaxed.timeline.peak - budget)
+        return candidate, solution
 
 
 def _with_margin(peak: int) -> int:

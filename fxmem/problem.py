@@ -37,6 +37,7 @@ class MemoryProblem:
       needed[i]         backward reads it directly
       can_save[i]       False for views and multi-output ops (their parts are saved instead)
       can_recompute[i]  False for random and side-effecting ops
+      multi_output[i]   it is a tuple: the candidates that take its items hold its bytes (empty: none is)
       saved_from[i]     first step at which keeping it costs `size` (after its last forward use)
       need_first[i]     first backward step that reads it directly (NEVER when none)
       need_last[i]      last backward step that reads it, or a backward view of it (NEVER when none)
@@ -72,11 +73,12 @@ class MemoryProblem:
     offload_blockers: tuple[tuple[int, ...], ...] = ()
     step_ns: tuple[int, ...] = ()
     offload_overhead_ns: int = 0
+    multi_output: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.names)
         for field in ("size", "cost", "inputs", "aliases", "needed", "can_save", "can_recompute",
-                      "saved_from", "need_first", "need_last"):
+                      "saved_from", "need_first", "need_last") + (("multi_output",) if self.multi_output else ()):
             if len(getattr(self, field)) != n:
                 raise ValueError(f"MemoryProblem.{field} has {len(getattr(self, field))} entries, expected {n}")
         for i, ins in enumerate(self.inputs):
@@ -181,12 +183,18 @@ def lifetimes(problem: MemoryProblem, recompute: Iterable[int]) -> dict[int, tup
 def memory_profile(problem: MemoryProblem, recompute: Iterable[int], offload: Iterable[int] = ()) -> list[int]:
     """Live bytes at every step under a decision (difference array over lifetimes); an offloaded
     value is off the device between its copy out and its copy back (`transfer_schedule`)."""
+    return profile_of(problem, lifetimes(problem, recompute), problem.size, offload)
+
+
+def profile_of(problem: MemoryProblem, spans: dict[int, tuple[int, int]], size, offload: Iterable[int] = ()
+               ) -> list[int]:
+    """Live bytes at every step: `base` plus `size[v]` over each of `spans`, less offloaded values
+    while they are on the host."""
     delta = [0] * (problem.num_steps + 1)
-    spans = lifetimes(problem, recompute)
     for v, (first, last) in spans.items():
-        if problem.size[v] and first <= last:
-            delta[first] += problem.size[v]
-            delta[last + 1] -= problem.size[v]
+        if size[v] and first <= last:
+            delta[first] += size[v]
+            delta[last + 1] -= size[v]
     off = [v for v in offload if v in spans and problem.size[v]]
     if off:
         moves = transfer_schedule(problem, off)

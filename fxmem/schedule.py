@@ -130,7 +130,7 @@ def build_problem(joint: torch.fx.GraphModule, split: JointSplit, costs: CostTab
     index = {n: i for i, n in enumerate(nodes)}
     columns: dict[str, list] = {k: [] for k in (
         "size", "cost", "inputs", "aliases", "needed", "can_save", "can_recompute",
-        "saved_from", "need_first", "need_last")}
+        "saved_from", "need_first", "need_last", "multi_output")}
     for node in nodes:
         view = is_view(node)
         own = {k: b for k, b in storages_of(node).items() if k not in static and k not in held}
@@ -141,6 +141,7 @@ def build_problem(joint: torch.fx.GraphModule, split: JointSplit, costs: CostTab
         columns["aliases"].append(view)
         columns["needed"].append(bool(reads))
         columns["can_save"].append(not view and not _multi_output(node))
+        columns["multi_output"].append(_multi_output(node))
         columns["can_recompute"].append(can_recompute(node, split.mutated, replay_random))
         columns["saved_from"].append(max((fw_death.get(k, step_of[node]) for k in own), default=step_of[node]) + 1)
         columns["need_first"].append(min(reads) if reads else NEVER)

@@ -34,7 +34,13 @@ from fxmem.passes.recompute import partition, recompute_pass
 from fxmem.passes.rng import replay_random_ops, rng_pass
 from fxmem.passes.runner import StepGraphs, run_passes
 from fxmem.plan import NodeRow, Plan, PoolSection, graph_fingerprint
-from fxmem.problem import eager_decision, enable_offload, offload_cost, recompute_cost, saved_set
+from fxmem.problem import (
+    eager_decision,
+    enable_offload,
+    offload_cost,
+    recompute_cost,
+    saved_set,
+)
 from fxmem.resident import refusal_with_resident, with_resident
 from fxmem.schedule import JointSplit, Lowered, build_problem, split_joint
 from fxmem.solve.recompute import least_peak, solve

@@ -11,12 +11,12 @@ from dataclasses import replace
 from typing import Callable
 
 from fxmem.problem import MemoryProblem
+from fxmem.solve.recompute.auto import solve_auto
 from fxmem.solve.recompute.brute import solve_brute
 from fxmem.solve.recompute.cpsat import cpsat_min_peak, solve_cpsat
 from fxmem.solve.recompute.exact import exact_min_peak, solve_exact
-from fxmem.solve.recompute.layered import solve_layered
-from fxmem.solve.recompute.auto import solve_auto
 from fxmem.solve.recompute.greedy import greedy_min_peak, solve_greedy
+from fxmem.solve.recompute.layered import solve_layered
 from fxmem.solve.recompute.least import LeastPeak, least_peak
 from fxmem.solve.solution import Solution, make_solution
 

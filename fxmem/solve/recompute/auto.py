@@ -13,12 +13,12 @@ from __future__ import annotations
 import time
 
 from fxmem.problem import MemoryProblem
-from fxmem.solve.solution import Solution
 from fxmem.solve.recompute.cpsat import solve_cpsat
 from fxmem.solve.recompute.exact import solve_exact
 from fxmem.solve.recompute.greedy import solve_greedy
 from fxmem.solve.recompute.layered import solve_layered
 from fxmem.solve.recompute.layers import find_layers
+from fxmem.solve.solution import Solution
 
 EXACT_MAX_CANDIDATES = 200
 EXACT_SHARE = 0.7  # of the time limit, when the layered solver can take the rest

@@ -9,8 +9,13 @@ import time
 from itertools import combinations
 from typing import Iterator
 
-from fxmem.problem import (MemoryProblem, eager_decision, is_valid, peak_bytes,
-                           recompute_cost)
+from fxmem.problem import (
+    MemoryProblem,
+    eager_decision,
+    is_valid,
+    peak_bytes,
+    recompute_cost,
+)
 from fxmem.solve.solution import Solution, make_solution
 
 MAX_CANDIDATES = 20

@@ -16,10 +16,19 @@ import time
 
 from ortools.sat.python import cp_model
 
-from fxmem.problem import (NEVER, MemoryProblem, decision_cost, is_feasible, is_valid, lifetimes, peak_bytes,
-                           saved_set, transfer_schedule)
-from fxmem.solve.solution import Solution, make_solution
+from fxmem.problem import (
+    NEVER,
+    MemoryProblem,
+    decision_cost,
+    is_feasible,
+    is_valid,
+    lifetimes,
+    peak_bytes,
+    saved_set,
+    transfer_schedule,
+)
 from fxmem.solve.recompute.greedy import solve_greedy
+from fxmem.solve.solution import Solution, make_solution
 
 _STATUS = {cp_model.OPTIMAL: "optimal", cp_model.FEASIBLE: "feasible", cp_model.INFEASIBLE: "infeasible"}
 

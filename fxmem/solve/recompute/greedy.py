@@ -14,10 +14,22 @@ import heapq
 import time
 from dataclasses import replace
 
-from fxmem.problem import (NEVER, MemoryProblem, decision_cost, eager_decision, is_valid, lifetimes, memory_profile,
-                           offload_cost, peak_bytes, recompute_cost, saved_set, transfer_schedule)
-from fxmem.solve.solution import Solution, make_solution
+from fxmem.problem import (
+    NEVER,
+    MemoryProblem,
+    decision_cost,
+    eager_decision,
+    is_valid,
+    lifetimes,
+    memory_profile,
+    offload_cost,
+    peak_bytes,
+    recompute_cost,
+    saved_set,
+    transfer_schedule,
+)
 from fxmem.solve.recompute.profile_tree import ProfileTree
+from fxmem.solve.solution import Solution, make_solution
 
 MOVES_PER_ROUND = 32  # candidate moves priced per round (values alive at the peak, best bytes/cost first)
 CHAIN_DEPTH = 4  # a move may pull up to this many producers along with the value it recomputes

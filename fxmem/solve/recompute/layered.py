@@ -17,10 +17,18 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from fxmem.problem import MemoryProblem, eager_decision, is_valid, peak_bytes, recompute_cost, repair, saved_set
-from fxmem.solve.solution import Solution, make_solution
+from fxmem.problem import (
+    MemoryProblem,
+    eager_decision,
+    is_valid,
+    peak_bytes,
+    recompute_cost,
+    repair,
+    saved_set,
+)
 from fxmem.solve.recompute.exact import _Model, solve_exact
 from fxmem.solve.recompute.layers import Layers, Window, find_layers, window
+from fxmem.solve.solution import Solution, make_solution
 
 MAX_TIME_S = 3.0  # the layered solver stops by then (or by the time limit), at any depth
 MAX_OPTIONS, OPTIONS_TIME_S = 32, 0.6  # Pareto options listed per layer and kind, and the time for each kind
@@ -270,7 +278,8 @@ def _bisect(p: MemoryProblem, layers: Layers, outside: frozenset[int], options: 
 
 def _prune(p: MemoryProblem, rec: frozenset[int], deadline: float) -> frozenset[int]:
     """Drop recomputations the budget does not need (greedy's pruning, on the whole problem)."""
-    from fxmem.solve.recompute.greedy import _prune as prune, _State
+    from fxmem.solve.recompute.greedy import _prune as prune
+    from fxmem.solve.recompute.greedy import _State
 
     state = _State(p, rec)
     prune(p, state, p.budget, deadline)

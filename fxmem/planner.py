@@ -46,9 +46,8 @@ from fxmem.schedule import JointSplit, Lowered, build_problem, split_joint
 from fxmem.solve.recompute import least_peak, solve
 from fxmem.solve.recompute.checkpoint import checkpoint_layers
 from fxmem.solve.recompute.layers import find_layers
-from fxmem.solve.recompute.least import EXACT_CANDIDATES
 from fxmem.solve.recompute.phases import phase_peak
-from fxmem.solve.recompute.relax import relax
+from fxmem.solve.recompute.relax import lower_peak, relax
 from fxmem.solve.solution import Solution, make_solution
 
 HELD = "held by the step's other graphs"
@@ -56,6 +55,7 @@ STEP_PASSES = (recompute_pass, rng_pass, offload_pass, pool_pass)
 
 MAX_TIGHTENINGS = 8
 RELAX_TRIES, RELAX_SHARE = 3, 0.1  # slack spending: simulations, and share of the time limit per try
+LOWER_SHARE = 0.2  # of the time limit, for the in-order descent below the searches' least peak
 log = logging.getLogger("fxmem")
 # Plans aim a little below the budget: the simulator sizes storages from fake tensors, and a few
 # kernels allocate more than that (CPU mse_loss returns a scalar whose storage is the size of its
@@ -279,13 +279,8 @@ class Planner:
         started = time.perf_counter()
         log.info("searching for the least feasible budget")
         least = least_peak(problem, request.time_limit_s)
-        lowest, chosen = self._candidate(joint, lowered, least.recompute), least.recompute
-        layers = find_layers(problem) if problem.num_values > EXACT_CANDIDATES else None
-        if layers is not None:  # the problem counts a recomputed chain as alive at once; the graphs do not
-            checkpointed = checkpoint_layers(problem, layers)
-            candidate = self._candidate(joint, lowered, checkpointed)
-            if candidate.timeline.peak < lowest.timeline.peak:
-                lowest, chosen = candidate, checkpointed
+        lowest = self._lowest(joint, lowered, least.recompute)
+        chosen = lowest.recompute
         if lowest.timeline.peak <= budget:
             solution = make_solution(problem, chosen, "feasible", 0, started, "min-peak")
             return *self._spend_slack(joint, lowered, lowest, solution, budget), _with_margin(lowest.timeline.peak)
@@ -296,6 +291,20 @@ class Planner:
         raise InfeasibleBudgetError(int(budget + margin), _with_margin(lowest.timeline.peak), breakdown,
                                     lower_bound_bytes=_with_margin(bound), proven=least.proven)
 
+
+    def _lowest(self, joint, lowered: Lowered, least: frozenset[int]) -> _Candidate:
+        """The decision of lowest simulated peak among the search's least, every layer checkpointed,
+        and the in-order descent from the lower of them (`relax.lower_peak`): the searches count a
+        recomputed chain as alive at once; the graphs do not."""
+        problem = lowered.problem
+        options = [least]
+        layers = find_layers(problem)
+        if layers is not None:
+            options.append(checkpoint_layers(problem, layers))
+        start = min(options, key=lambda rec: phase_peak(problem, rec))
+        options.append(lower_peak(problem, start, self.request.time_limit_s * LOWER_SHARE))
+        simulated = [self._candidate(joint, lowered, rec) for rec in dict.fromkeys(options)]
+        return min(simulated, key=lambda c: c.timeline.peak)
 
     def _spend_slack(self, joint, lowered: Lowered, candidate: _Candidate, solution: Solution, budget: int
                      ) -> tuple[_Candidate, Solution]:

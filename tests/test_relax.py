@@ -1,15 +1,25 @@
-"""solve/recompute/relax.py: keep what a decision recomputes while the in-order peak fits."""
+"""solve/recompute/relax.py: keep what a decision recomputes while the in-order peak fits, and
+recompute more where that lowers the in-order peak."""
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from fxmem.problem import eager_decision, is_valid, lifetimes, recompute_cost, repair
+from fxmem.problem import (
+    eager_decision,
+    is_valid,
+    lifetimes,
+    peak_bytes,
+    recompute_cost,
+    repair,
+)
+from fxmem.solve.recompute.bound import peak_lower_bound
 from fxmem.solve.recompute.checkpoint import checkpoint_layers
 from fxmem.solve.recompute.layers import find_layers
+from fxmem.solve.recompute.least import least_peak
 from fxmem.solve.recompute.phases import phase_peak
-from fxmem.solve.recompute.relax import drop_unmade, relax
+from fxmem.solve.recompute.relax import drop_unmade, lower_peak, relax
 from tests.test_layers import stack
 from tests.test_phases import four_link_chain
 from tests.test_solve import random_problem
@@ -59,3 +69,27 @@ def test_random_problems_stay_valid_within_budget_and_no_dearer(seed):
     assert recompute_cost(problem, kept) <= recompute_cost(problem, decision)
     assert drop_unmade(problem, kept) == kept  # every value left is made by some backward step
     assert kept <= lifetimes(problem, kept).keys()
+
+
+def test_lower_peak_descends_from_checkpointing_in_order():
+    problem = stack(12)
+    checkpointed = checkpoint_layers(problem, find_layers(problem))
+    lowered = lower_peak(problem, checkpointed, 5.0)
+    assert is_valid(problem, lowered)
+    assert peak_lower_bound(problem) <= phase_peak(problem, lowered) < phase_peak(problem, checkpointed)
+
+
+def test_least_peak_is_never_above_checkpointing_whatever_the_size():
+    """Small stacks (the exact program's size) get the checkpoint offers too."""
+    for count in (3, 6, 12):
+        problem = stack(count)
+        least = least_peak(problem, 3.0)
+        assert least.peak <= peak_bytes(problem, checkpoint_layers(problem, find_layers(problem)))
+
+
+def test_decisions_are_frozensets():
+    problem = stack(3)
+    checkpointed = checkpoint_layers(problem, find_layers(problem))
+    for decision in (drop_unmade(problem, checkpointed), relax(problem, checkpointed, 10**9, 1.0),
+                     lower_peak(problem, checkpointed, 1.0)):
+        assert isinstance(decision, frozenset)

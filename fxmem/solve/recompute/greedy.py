@@ -303,8 +303,10 @@ def solve_greedy(problem: MemoryProblem, time_limit_s: float = 10.0) -> Solution
     return make_solution(problem, rec, status, 0, started, "greedy", off)
 
 
-def greedy_min_peak(problem: MemoryProblem, time_limit_s: float = 10.0) -> frozenset[int]:
-    """A decision with a low peak, cost ignored (an upper bound on the least peak)."""
-    state = _State(problem, eager_decision(problem))
+def greedy_min_peak(problem: MemoryProblem, time_limit_s: float = 10.0, start: frozenset[int] | None = None
+                    ) -> frozenset[int]:
+    """A decision with a low peak, cost ignored (an upper bound on the least peak), descending from
+    `start` (eager's decision by default)."""
+    state = _State(problem, eager_decision(problem) if start is None else start)
     _descend(problem, state, -1, time.perf_counter() + time_limit_s, weigh_cost=False)
     return frozenset(state.rec)

@@ -3,7 +3,9 @@ whether it is proven least.
 
 Reads a `MemoryProblem`; returns a `LeastPeak`. Torch-free. Every search runs within the time
 limit and the best is kept: the greedy descent (fast, local), every repeated layer checkpointed
-(`checkpoint`) and one option spread over repeated layers (`layered`), where the graph has them, then CP-SAT seeded with the best so far, in its
+(`checkpoint`), the greedy descent from there (it recomputes what checkpointing keeps between
+layers where that lowers the peak), and one option spread over repeated layers (`layered`), where
+the graph has them, then CP-SAT seeded with the best so far, in its
 deterministic mode (the same decision every run: decisions of equal peak can simulate differently),
 and on graphs of up to `EXACT_CANDIDATES` candidates the exact time-indexed program, to prove it.
 The answer is proven when the exact program proves it or when it meets `peak_lower_bound`.
@@ -57,11 +59,15 @@ def least_peak(problem: MemoryProblem, time_limit_s: float = 10.0) -> LeastPeak:
             found.append((peak_bytes(problem, rec), recompute_cost(problem, rec), method, frozenset(rec)))
 
     offer(greedy_min_peak(problem, max(GREEDY_MIN_S, time_limit_s / 4)), "greedy")
-    layers = find_layers(problem) if problem.num_values > EXACT_CANDIDATES else None
+    layers = find_layers(problem)
     if layers is not None:
-        offer(checkpoint_layers(problem, layers), "checkpoint every layer")
-        layered = layered_min_peak(problem, left() / 2, layers)
-        offer(layered[1] if layered else None, "layered")
+        checkpointed = checkpoint_layers(problem, layers)
+        offer(checkpointed, "checkpoint every layer")
+        # what checkpointing keeps between layers, recomputed where that lowers the peak
+        offer(greedy_min_peak(problem, left() / 4, start=checkpointed), "checkpoint, then greedy")
+        if problem.num_values > EXACT_CANDIDATES:
+            layered = layered_min_peak(problem, left() / 2, layers)
+            offer(layered[1] if layered else None, "layered")
     proved_peak = None  # the exact program's peak, when it proved it least
     if not found or min(found)[0] > bound:
         # CP-SAT in deterministic mode chooses among decisions of equal peak the same way every run

@@ -39,6 +39,13 @@ def phase_peak(problem: MemoryProblem, recompute, offload=()) -> int:
     return max(profile) if profile else 0
 
 
+def in_order_spans(problem: MemoryProblem, recompute) -> tuple[dict[int, tuple[int, int]], list[int]]:
+    """Inclusive [first, last] steps and bytes of each saved or recomputed value, a recomputed tuple's
+    bytes moved to its recomputed items (see `_spans`)."""
+    spans, size, _ = _spans(problem, frozenset(recompute))
+    return spans, size
+
+
 def _spans(problem: MemoryProblem, rec: frozenset[int]):
     """`lifetimes`, with a recomputed tuple's bytes moved to the recomputed values that take its
     items: they exist from the tuple's making (the problem counts the tuple until its last item is

@@ -48,21 +48,20 @@ def in_order_spans(problem: MemoryProblem, recompute) -> tuple[dict[int, tuple[i
 
 def _spans(problem: MemoryProblem, rec: frozenset[int]):
     """`lifetimes`, with a recomputed tuple's bytes moved to the recomputed values that take its
-    items: they exist from the tuple's making (the problem counts the tuple until its last item is
-    taken, and the items again); the order values are made in within a phase (items right after
-    their tuple)."""
+    items (the problem counts the tuple until its last item is taken, and the items again): each
+    item exists from the tuple's making until it dies or the tuple does, when its last item is
+    taken; and the order values are made in within a phase (items right after their tuple)."""
     spans, size = dict(lifetimes(problem, rec)), list(problem.size)
     owner: dict[int, int] = {}
     users = problem.consumers()
     for m in sorted(rec):
         if not (problem.multi_output and problem.multi_output[m] and m in spans):
             continue
-        made = spans[m][0]
+        made, taken = spans[m]  # the tuple is held until its last item is taken from it
         parts = [w for w in users[m] if w in rec and w in spans and not problem.aliases[w]]
         for w in parts:
-            spans[w], owner[w] = (made, spans[w][1]), m
-        size[m] = max(0, size[m] - sum(size[w] for w in parts))  # items kept from forward: made again, dropped
-        spans[m] = (made, made)
+            spans[w], owner[w] = (made, max(spans[w][1], taken)), m
+        size[m] = max(0, size[m] - sum(size[w] for w in parts))  # items kept from forward: made again
     return spans, size, lambda v: (owner.get(v, v), v)
 
 

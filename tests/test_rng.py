@@ -110,7 +110,7 @@ def test_compile_backend_replays_dropout(replays):
     model, inputs = _DropoutCnn().train(), (torch.randn(8, 3, 16, 16),)
     kept, least = _least_kept(model, inputs), _least(model, inputs)
     assert least < kept
-    budget = (least + kept) // 2
+    budget = least  # the least found replaying, below the least found keeping every mask
     reference = copy.deepcopy(model)
     model.compile(backend="fxmem", options={"budget_gb": budget / GIB, "inner": "aot_eager", "time_limit_s": 5})
     _three_steps_like_eager(reference, model, model, inputs)

@@ -17,18 +17,12 @@ CHAIN_SECTIONS = 64
 
 class _Skyline:
     def __init__(self, start: np.ndarray, end: np.ndarray, size: np.ndarray, cap: int, rng: np.random.Generator,
-                 noise: float, floor: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
+                 noise: float) -> None:
         times = np.unique(np.concatenate([start, end]))
         self.s, self.e = np.searchsorted(times, start), np.searchsorted(times, end)
         self.z, self.cap = size.astype(np.int64), cap
         k = len(times) - 1
         self.height = np.zeros(k + 1, dtype=np.int64)
-        if floor is not None:  # fixed buffers (start, end, top): nothing goes below their tops
-            lo = np.maximum(np.searchsorted(times, floor[0], "right") - 1, 0)
-            hi = np.minimum(np.searchsorted(times, floor[1], "left"), k)
-            for a, b, top in zip(lo.tolist(), hi.tolist(), floor[2].tolist()):
-                if a < b:
-                    np.maximum(self.height[a:b], top, out=self.height[a:b])
         self.height[k] = BIG  # sentinel: nothing reaches past the last step
         delta = np.zeros(k + 1, dtype=np.int64)
         np.add.at(delta, self.s, self.z)
@@ -112,7 +106,7 @@ class _Skyline:
                 self.height[k:stop] = h
 
     def run(self, node_limit: int) -> np.ndarray | None:
-        if (self.height[:-1] + self.rem[:-1] > self.cap).any() or (self.z > self.cap).any():
+        if (self.rem[:-1] > self.cap).any() or (self.z > self.cap).any():
             return None
         stack: list[list] = []
         nodes = 0
@@ -135,12 +129,9 @@ class _Skyline:
 
 
 def skyline_pack(start: np.ndarray, end: np.ndarray, size: np.ndarray, *, cap: int = BIG // 4,
-                 node_limit: int = BIG, noise: float = 0.0, seed: int = 0,
-                 floor: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> np.ndarray | None:
-    """Offsets with every buffer's top at most `cap`, or None if the search gave up or proved none.
-    `floor`, (starts, ends, tops) of buffers already placed, keeps every offset above the tops of the
-    placed buffers alive at the same time."""
-    return _Skyline(start, end, size, cap, np.random.default_rng(seed), noise, floor).run(node_limit)
+                 node_limit: int = BIG, noise: float = 0.0, seed: int = 0) -> np.ndarray | None:
+    """Offsets with every buffer's top at most `cap`, or None if the search gave up or proved none."""
+    return _Skyline(start, end, size, cap, np.random.default_rng(seed), noise).run(node_limit)
 
 
 def skyline_search(start: np.ndarray, end: np.ndarray, size: np.ndarray, lower: int, best: np.ndarray,

@@ -186,3 +186,15 @@ def test_300_buffer_hard_instance_within_ten_percent_in_three_seconds():
     _no_overlap(buffers, packing, 64)
     assert packing.gap <= 0.10, packing.gap  # best-fit alone: 30% and more
     assert packing.status == "optimal" or packing.method.startswith("lns"), packing.method
+
+
+def test_skyline_search_tiles_a_500_buffer_hard_instance_exactly():
+    # Preferring buffers whose top comes flush with a neighbour is what gets this one to the bound (5.6% without).
+    from fxmem.solve.packing import arena_of, best_heuristic
+    from fxmem.solve.packing.search import skyline_search
+
+    start, end, size, lower = _hard_arrays(500, 0)
+    seeded, _ = best_heuristic(start, end, size, time_limit_s=0.0)
+    found = skyline_search(start, end, size, lower, seeded, time_limit_s=4.0)
+    check_packing(start, end, size, found)
+    assert arena_of(found, size) == lower

@@ -3,8 +3,9 @@ time never share a byte (dynamic storage allocation with known lifetimes).
 
 Reads `(start, end, size)` triples (half-open lifetimes `[start, end)` in steps, sizes in bytes);
 returns a frozen `Packing`. Torch-free: best-fit heuristics here, a skyline search
-(`fxmem.solve.packing.search`), then OR-Tools CP-SAT (`fxmem.solve.packing.cpsat`) seeded with the best
-packing, until the lower bound is reached or time runs out.
+(`fxmem.solve.packing.search`), then OR-Tools CP-SAT seeded with the best packing: on the whole packing
+(`fxmem.solve.packing.cpsat`) up to `LNS_ABOVE` buffers, on windows of it (large-neighbourhood search,
+`fxmem.solve.packing.lns`) above, until the lower bound is reached or time runs out.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import numpy as np
 from fxmem.errors import PackingError
 
 _BIG = np.int64(1) << 60
+LNS_ABOVE = 150  # more sized buffers than this: windows re-solved by CP-SAT, not the whole packing
 
 
 @dataclass(frozen=True)
@@ -181,8 +183,9 @@ def pack_buffers(buffers: Sequence[Sequence[int]], *, alignment: int = 64, time_
                  num_workers: int = 2, seed: int = 0) -> Packing:
     """Offsets for `(start, end, size)` buffers (half-open lifetimes) in one arena, as small as found
     within about `time_limit_s`: best-fit heuristics first, then a capped skyline search with
-    backtracking (`fxmem.solve.packing.search`, 60% of the time), then CP-SAT seeded with the best packing,
-    each stopping as soon as the arena equals the lower bound."""
+    backtracking (`fxmem.solve.packing.search`, 60% of the time), then CP-SAT seeded with the best packing
+    (whole, or window by window above `LNS_ABOVE` buffers), each stopping as soon as the arena equals the
+    lower bound."""
     started = time.perf_counter()
     rows = _validate(buffers, alignment, time_limit_s)
     start, end, raw = rows[:, 0], rows[:, 1], rows[:, 2]
@@ -200,7 +203,14 @@ def pack_buffers(buffers: Sequence[Sequence[int]], *, alignment: int = 64, time_
             offsets, method = found, "skyline search"
     proved: set[int] = set()  # groups CP-SAT proved optimal
     groups = components(start, end)
-    if arena_of(offsets, size) > lower and time_limit_s > 0:
+    if arena_of(offsets, size) > lower and time_limit_s > 0 and int((size > 0).sum()) > LNS_ABOVE:
+        from fxmem.solve.packing.lns import lns_improve
+
+        left = time_limit_s - (time.perf_counter() - started)
+        found = lns_improve(start, end, size, offsets, lower, left, num_workers=num_workers, seed=seed)
+        if arena_of(found, size) < arena_of(offsets, size):
+            offsets, method = found, f"lns (seeded with {method})"
+    elif arena_of(offsets, size) > lower and time_limit_s > 0:
         from fxmem.solve.packing.cpsat import improve
 
         for g, group in enumerate(groups):

@@ -2,8 +2,9 @@
 
 Reads numpy arrays of lifetimes and sizes (alignment units); returns offsets or None. Torch-free.
 The lowest (then earliest) point of the skyline is filled by a buffer starting exactly there whose
-lifetime fits under the flat stretch, or raised to its lower neighbour (wasted); a choice is refused
-when some unplaced buffer could no longer fit under the cap, and the search backtracks.
+lifetime fits under the flat stretch (preferring one whose top comes flush with a neighbour), or raised
+to its lower neighbour (wasted); a choice is refused when some unplaced buffer could no longer fit
+under the cap, and the search backtracks.
 """
 from __future__ import annotations
 
@@ -69,7 +70,11 @@ class _Skyline:
         alts = [(0, i, k, h, k + 1) for i in self.by_start[k]
                 if self.unplaced[i] and self.e[i] <= run and h + z[i] <= cap
                 and self.fits_above(self.s[i], self.e[i], h + int(z[i]), skip=i)]
-        alts.sort(key=lambda alt: not chained[self.e[alt[1]] - k])  # stable: keeps the key order
+        # Stable sort, so the key order breaks ties: buffers that end where a chain of unplaced buffers can
+        # fill the rest of the stretch first, then buffers whose top comes flush with a neighbour's height.
+        flush_with = {int(height[k - 1]) if k > 0 else -1}
+        alts.sort(key=lambda alt: (not chained[self.e[alt[1]] - k],
+                                   h + int(z[alt[1]]) not in flush_with | {int(height[self.e[alt[1]]])}))
         # Waste: raise the flat stretch up to the next section where some buffer could start at h.
         stop = next((x for x in range(k + 1, run)
                      if any(self.unplaced[i] and self.e[i] <= run for i in self.by_start[x])), run)

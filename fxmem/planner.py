@@ -19,6 +19,7 @@ import torch.fx
 
 from fxmem.cost import DEVICE_PRESETS, HOST_LINKS, CostTable, DeviceSpec, estimate
 from fxmem.errors import InfeasibleBudgetError, fmt_bytes
+from fxmem.fitting import lowest, spend_slack
 from fxmem.kernel_timer import KernelTimer
 from fxmem.memory import (
     EXACT,
@@ -44,18 +45,18 @@ from fxmem.problem import (
 from fxmem.resident import refusal_with_resident, with_resident
 from fxmem.schedule import JointSplit, Lowered, build_problem, split_joint
 from fxmem.solve.recompute import least_peak, solve
-from fxmem.solve.recompute.checkpoint import checkpoint_layers
-from fxmem.solve.recompute.layers import find_layers
-from fxmem.solve.recompute.phases import phase_peak
-from fxmem.solve.recompute.relax import lower_peak, relax
 from fxmem.solve.solution import Solution, make_solution
 
 HELD = "held by the step's other graphs"
 STEP_PASSES = (recompute_pass, rng_pass, offload_pass, pool_pass)
 
 MAX_TIGHTENINGS = 8
-RELAX_TRIES, RELAX_SHARE = 3, 0.1  # slack spending: simulations, and share of the time limit per try
+RELAX_SHARE, RELAX_MIN_S = 0.1, 1.0  # slack spending, per try: share of the time limit, and at least this
 LOWER_SHARE = 0.2  # of the time limit, for the in-order descent below the searches' least peak
+# Beyond this many candidates the solvers prove nothing within seconds and often fit nothing below
+# far more than the least: the least decision, relaxed, is offered beside theirs, each search with
+# its share of the time limit.
+LARGE_CANDIDATES, SOLVER_SHARE = 200, 0.5
 log = logging.getLogger("fxmem")
 # Plans aim a little below the budget: the simulator sizes storages from fake tensors, and a few
 # kernels allocate more than that (CPU mse_loss returns a scalar whose storage is the size of its
@@ -252,81 +253,59 @@ class Planner:
         return best
 
     def _fit(self, joint, lowered: Lowered, split: JointSplit, budget: int, fallback: bool = True):
-        """Solve, simulate, and tighten the solver's budget by the overshoot until the graphs fit."""
+        """The cheaper of the solver's decision and the least decision, each with the slack it leaves
+        spent (`fxmem.fitting`), checked on the simulated graphs; the least is tried when the solver
+        fits nothing or the problem is large (`LARGE_CANDIDATES`). Returns (candidate, solution, the
+        least budget when it was searched), None when nothing fits and not `fallback`; raises
+        `InfeasibleBudgetError` naming the least budget found otherwise."""
         request, problem = self.request, lowered.problem
         margin = safety_bytes(budget)
         budget -= margin
+        simulate = lambda rec, offloaded=frozenset(): self._candidate(joint, lowered, rec, offloaded)
+        relax_s = max(RELAX_MIN_S, request.time_limit_s * RELAX_SHARE)
+        large = fallback and problem.num_values > LARGE_CANDIDATES
+        fitted = self._solver_fit(problem, budget, request.time_limit_s * (SOLVER_SHARE if large else 1), simulate)
+        if fitted is not None:
+            fitted = spend_slack(problem, *fitted, budget, simulate, relax_s)
+        if not fallback or (fitted is not None and not large):
+            return None if fitted is None else (*fitted, None)
+        started = time.perf_counter()
+        log.info("searching for the least feasible budget")
+        least = least_peak(problem, request.time_limit_s * (1 - SOLVER_SHARE if large else 1))
+        low = lowest(problem, least.recompute, simulate, request.time_limit_s * LOWER_SHARE, self.allocator)
+        if low.timeline.peak <= budget:
+            solution = make_solution(problem, low.recompute, "feasible", 0, started, "min-peak")
+            relaxed = spend_slack(problem, low, solution, budget, simulate, relax_s)
+            if fitted is None or recompute_cost(problem, relaxed[0].recompute) < recompute_cost(
+                    problem, fitted[0].recompute) + offload_cost(problem, fitted[0].offloaded):
+                fitted = relaxed
+            return *fitted, _with_margin(low.timeline.peak)
+        if fitted is not None:
+            return *fitted, None
+        breakdown = _breakdown(split, self.allocator)
+        breakdown["smallest activation set"] = max(0, low.timeline.peak - sum(breakdown.values()))
+        breakdown["planning margin"] = _with_margin(low.timeline.peak) - low.timeline.peak
+        bound = min(least.lower_bound, low.timeline.peak)
+        raise InfeasibleBudgetError(int(budget + margin), _with_margin(low.timeline.peak), breakdown,
+                                    lower_bound_bytes=_with_margin(bound), proven=least.proven)
+
+    def _solver_fit(self, problem, budget: int, time_limit_s: float, simulate) -> tuple[_Candidate, Solution] | None:
+        """The solver's decision at `budget`, its budget tightened by the simulated overshoot until
+        the graphs fit (at most `MAX_TIGHTENINGS` solves); None when it finds nothing that fits."""
         target = budget
-        best: tuple[_Candidate, Solution] | None = None
         for _ in range(MAX_TIGHTENINGS):
             if target <= 0:
                 break
-            solution = solve(dataclasses.replace(problem, budget=target), request.solver, request.time_limit_s)
+            solution = solve(dataclasses.replace(problem, budget=target), self.request.solver, time_limit_s)
             if solution.status == "infeasible":
                 break
-            candidate = self._candidate(joint, lowered, solution.recompute, solution.offloaded)
-            log.info("%s: %s in %.1f s, simulated peak %s, budget %s less a %s margin", solution.solver,
-                     solution.status, solution.solve_time_s, fmt_bytes(candidate.timeline.peak),
-                     fmt_bytes(budget + margin), fmt_bytes(margin))
+            candidate = simulate(solution.recompute, solution.offloaded)
+            log.info("%s: %s in %.1f s, simulated peak %s, budget %s", solution.solver, solution.status,
+                     solution.solve_time_s, fmt_bytes(candidate.timeline.peak), fmt_bytes(budget))
             if candidate.timeline.peak <= budget:
-                best = (candidate, solution)
-                break
+                return candidate, solution
             target -= candidate.timeline.peak - budget
-        if best is not None:
-            return *self._spend_slack(joint, lowered, *best, budget), None
-        if not fallback:
-            return None
-        started = time.perf_counter()
-        log.info("searching for the least feasible budget")
-        least = least_peak(problem, request.time_limit_s)
-        lowest = self._lowest(joint, lowered, least.recompute)
-        chosen = lowest.recompute
-        if lowest.timeline.peak <= budget:
-            solution = make_solution(problem, chosen, "feasible", 0, started, "min-peak")
-            return *self._spend_slack(joint, lowered, lowest, solution, budget), _with_margin(lowest.timeline.peak)
-        breakdown = _breakdown(split, self.allocator)
-        breakdown["smallest activation set"] = max(0, lowest.timeline.peak - sum(breakdown.values()))
-        breakdown["planning margin"] = _with_margin(lowest.timeline.peak) - lowest.timeline.peak
-        bound = min(least.lower_bound, lowest.timeline.peak)
-        raise InfeasibleBudgetError(int(budget + margin), _with_margin(lowest.timeline.peak), breakdown,
-                                    lower_bound_bytes=_with_margin(bound), proven=least.proven)
-
-
-    def _lowest(self, joint, lowered: Lowered, least: frozenset[int]) -> _Candidate:
-        """The decision of lowest simulated peak among the search's least, every layer checkpointed,
-        and the in-order descent from the lower of them (`relax.lower_peak`): the searches count a
-        recomputed chain as alive at once; the graphs do not."""
-        problem = lowered.problem
-        options = [least]
-        layers = find_layers(problem)
-        if layers is not None:
-            options.append(checkpoint_layers(problem, layers))
-        start = min(options, key=lambda rec: phase_peak(problem, rec))
-        options.append(lower_peak(problem, start, self.request.time_limit_s * LOWER_SHARE))
-        simulated = [self._candidate(joint, lowered, rec) for rec in dict.fromkeys(options)]
-        return min(simulated, key=lambda c: c.timeline.peak)
-
-    def _spend_slack(self, joint, lowered: Lowered, candidate: _Candidate, solution: Solution, budget: int
-                     ) -> tuple[_Candidate, Solution]:
-        """Keep what the solver recomputed while the simulated graphs stay within `budget`
-        (`fxmem.solve.recompute.relax`: the solvers count a recomputed chain as alive at once);
-        `candidate` itself when nothing cheaper fits. Recompute-only decisions."""
-        problem = lowered.problem
-        if candidate.offloaded:
-            return candidate, solution
-        started, layers = time.perf_counter(), find_layers(problem)
-        target, cost = budget, recompute_cost(problem, candidate.recompute)
-        for _ in range(RELAX_TRIES):
-            kept = relax(problem, candidate.recompute, target, self.request.time_limit_s * RELAX_SHARE, layers)
-            if recompute_cost(problem, kept) >= cost:
-                break
-            relaxed = self._candidate(joint, lowered, kept)
-            if relaxed.timeline.peak <= budget:
-                log.info("kept what fits the slack: recompute %.1f -> %.1f ms, simulated peak %s",
-                         cost / 1e6, recompute_cost(problem, kept) / 1e6, fmt_bytes(relaxed.timeline.peak))
-                return relaxed, make_solution(problem, kept, "feasible", 0, started, f"{solution.solver}+relax")
-            target = min(target, phase_peak(problem, kept)) - (relaxed.timeline.peak - budget)
-        return candidate, solution
+        return None
 
 
 def _with_margin(peak: int) -> int:

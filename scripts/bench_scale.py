@@ -50,14 +50,14 @@ def row(shape: str, time_limit: float) -> dict:
         searched.update(seconds=time.perf_counter() - started, values=problem.num_values, found=found)
         return found
 
-    lowest = fxmem.planner.Planner._lowest
+    lowest = fxmem.planner.lowest
 
-    def simulated(self, *args):
-        found = lowest(self, *args)
+    def simulated(*args, **kwargs):
+        found = lowest(*args, **kwargs)
         searched.update(simulated=found.timeline.peak)
         return found
 
-    fxmem.planner.least_peak, fxmem.planner.Planner._lowest = timed, simulated
+    fxmem.planner.least_peak, fxmem.planner.lowest = timed, simulated
     started = time.perf_counter()
     try:
         fxmem.plan(model, (ids,), budget_gb=1e-6, loss_fn=cross_entropy, example_target=ids,
@@ -65,7 +65,7 @@ def row(shape: str, time_limit: float) -> dict:
     except fxmem.InfeasibleBudgetError as error:
         least_budget = error.min_budget_bytes
     finally:
-        fxmem.planner.least_peak, fxmem.planner.Planner._lowest = least_peak, lowest
+        fxmem.planner.least_peak, fxmem.planner.lowest = least_peak, lowest
     total = time.perf_counter() - started
     found, peak = searched["found"], searched["simulated"]
     return {"shape (layers x width x batch x seq)": shape, "values": searched["values"],

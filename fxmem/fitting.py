@@ -1,0 +1,90 @@
+"""The in-order searches around the solvers, checked on the simulated graphs.
+
+Reads a `MemoryProblem`, decisions (sets of recomputed candidates) and a `simulate` callable that
+turns a decision into a candidate with `.recompute`, `.offloaded` and `.timeline.peak` (the planner
+extracts and simulates the forward and backward graphs); returns candidates. Writes nothing but a
+per-process memo of the lowest decision found per problem.
+
+The solvers count every value recomputed for one backward step as alive at once; the rewritten
+graphs make them one after another (`fxmem.solve.recompute.phases`). So a solver's decision leaves
+budget unused (`spend_slack` keeps what fits it), and its least peak is not the graphs' least
+(`lowest` descends below it). At the size people train, the budget-constrained solvers fail where
+plans exist (a GPT-2 of 124M shape at 8 x 1024 tokens: nothing found below 7.4 GiB in 10 s, least
+5.45 GiB), and relaxing from the least decision is 2-3x cheaper than relaxing from theirs: the
+planner offers both and keeps the cheaper (`fxmem.planner`).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from fxmem.errors import fmt_bytes
+from fxmem.problem import MemoryProblem, recompute_cost
+from fxmem.solve.recompute.checkpoint import checkpoint_layers
+from fxmem.solve.recompute.layers import find_layers
+from fxmem.solve.recompute.phases import phase_peak
+from fxmem.solve.recompute.relax import lower_peak, relax
+from fxmem.solve.solution import Solution, make_solution
+
+log = logging.getLogger("fxmem")
+Simulate = Callable[[frozenset], Any]  # decision -> candidate (.recompute, .offloaded, .timeline.peak)
+RELAX_TRIES = 3  # simulations while spending slack
+MEMO_SIZE = 64
+# The lowest decision found per problem (and allocator) in this process: the searches are
+# time-limited, so a budget named as the least by one call must not be refused by the next one on a
+# busier machine.
+_LOWEST_FOUND: dict[tuple, frozenset[int]] = {}
+
+
+def lowest(problem: MemoryProblem, least: frozenset[int], simulate: Simulate, time_limit_s: float,
+           allocator: Any = None):
+    """The candidate of lowest simulated peak among the search's `least`, the lowest found before
+    for this problem, every layer checkpointed, and the in-order descent from the lowest of them
+    (`relax.lower_peak`, for `time_limit_s`).
+
+    Simulating is the slow part (a forward/backward extraction each), so options are simulated in
+    order of their in-order peak, which tracks the simulation, up to the first one whose in-order peak
+    is not below the lowest simulated so far."""
+    key = (replace(problem, budget=0), allocator)
+    options = [least, *([_LOWEST_FOUND[key]] if key in _LOWEST_FOUND else [])]
+    layers = find_layers(problem)
+    if layers is not None:
+        options.append(checkpoint_layers(problem, layers))
+    start = min(options, key=lambda rec: phase_peak(problem, rec))
+    options.append(lower_peak(problem, start, time_limit_s))
+    best, peaks = None, {rec: phase_peak(problem, rec) for rec in options}
+    for rec in sorted(peaks, key=peaks.get):
+        if best is not None and peaks[rec] >= best.timeline.peak:
+            break
+        candidate = simulate(rec)
+        if best is None or candidate.timeline.peak < best.timeline.peak:
+            best = candidate
+    if len(_LOWEST_FOUND) >= MEMO_SIZE:
+        _LOWEST_FOUND.pop(next(iter(_LOWEST_FOUND)))
+    _LOWEST_FOUND[key] = best.recompute
+    return best
+
+
+def spend_slack(problem: MemoryProblem, candidate, solution: Solution, budget: int, simulate: Simulate,
+                time_limit_s: float) -> tuple[Any, Solution]:
+    """Keep what `candidate` recomputes while the simulated graphs stay within `budget`
+    (`relax.relax`, `time_limit_s` per try); `candidate` itself when nothing cheaper fits.
+    Recompute-only decisions: an offloading candidate is returned as it is."""
+    if candidate.offloaded:
+        return candidate, solution
+    started, layers = time.perf_counter(), find_layers(problem)
+    target, cost = budget, recompute_cost(problem, candidate.recompute)
+    for _ in range(RELAX_TRIES):
+        kept = relax(problem, candidate.recompute, target, time_limit_s, layers)
+        if recompute_cost(problem, kept) >= cost:
+            break
+        relaxed = simulate(kept)
+        if relaxed.timeline.peak <= budget:
+            log.info("kept what fits the slack: recompute %.1f -> %.1f ms, simulated peak %s",
+                     cost / 1e6, recompute_cost(problem, kept) / 1e6, fmt_bytes(relaxed.timeline.peak))
+            return relaxed, make_solution(problem, kept, "feasible", 0, started, f"{solution.solver}+relax")
+        target = min(target, phase_peak(problem, kept)) - (relaxed.timeline.peak - budget)
+    return candidate, solution

@@ -1,0 +1,61 @@
+"""fxmem/fitting.py and the planner's two routes: the least budget one call names is never refused
+by the next, and offering the relaxed least decision beside the solver's never costs more."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fxmem
+import fxmem.fitting
+import fxmem.planner
+from fxmem import models
+from fxmem.measure import measure_peak_bytes
+from fxmem.solve.recompute.least import LeastPeak
+from fxmem.solve.solution import Solution
+from tests.conftest import GIB, assert_trains_like
+
+
+def _gpt():
+    torch.manual_seed(0)
+    return models.from_name("gpt-tiny"), models.example_inputs("gpt-tiny")
+
+
+def _least_budget(model, inputs) -> int:
+    with pytest.raises(fxmem.InfeasibleBudgetError) as info:
+        fxmem.plan(model, inputs, budget_gb=1e-6, time_limit_s=2)
+    return info.value.min_budget_bytes
+
+
+def test_a_named_least_budget_is_met_when_the_next_search_finds_worse(monkeypatch):
+    model, inputs = _gpt()
+    least = _least_budget(model, inputs)
+    # a busier machine: the next searches find only "recompute nothing", far above the least
+    monkeypatch.setattr(fxmem.planner, "least_peak", lambda problem, *_: LeastPeak(
+        peak=1 << 62, recompute=frozenset(), lower_bound=0, proven=False, method="slow machine"))
+    monkeypatch.setattr(fxmem.planner, "solve", _nothing_fits)
+    plan = fxmem.plan(model, inputs, budget_gb=least / GIB, time_limit_s=2)
+    optimized = fxmem.optimize(model, plan=plan)
+    assert measure_peak_bytes(optimized, inputs) <= least
+    assert_trains_like(_gpt()[0], fxmem.optimize(_gpt()[0], plan=plan), inputs)
+
+
+def _nothing_fits(problem, solver, time_limit_s):
+    return Solution(recompute=frozenset(), status="infeasible", objective=0, peak=0, bound=0, gap=0.0,
+                    solve_time_s=0.0, solver=solver)
+
+
+@pytest.mark.parametrize("fraction", [0.3, 0.7])
+def test_the_least_route_never_costs_more_than_the_solvers(monkeypatch, fraction):
+    model, inputs = _gpt()
+    eager = fxmem.plan(model, inputs)
+    least = _least_budget(model, inputs)
+    budget = least + fraction * (eager.baseline_peak_bytes - least)
+    monkeypatch.setattr(fxmem.planner, "LARGE_CANDIDATES", 1 << 30)  # the solver's route alone
+    alone = fxmem.plan(model, inputs, budget_gb=budget / GIB, time_limit_s=4)
+    monkeypatch.setattr(fxmem.planner, "LARGE_CANDIDATES", 0)  # both routes, as on large graphs
+    both = fxmem.plan(model, inputs, budget_gb=budget / GIB, time_limit_s=4)
+    assert both.min_budget_bytes is not None  # the least route ran
+    assert both.extra_flops <= alone.extra_flops
+    optimized = fxmem.optimize(model, plan=both)
+    assert measure_peak_bytes(optimized, inputs) <= budget
+    assert_trains_like(_gpt()[0], fxmem.optimize(_gpt()[0], plan=both), inputs)

@@ -41,7 +41,8 @@ def partition(joint: torch.fx.GraphModule, saved: Iterable[str], *, num_fwd_outp
     missing = [name for name in saved if name not in by_name]
     if missing:
         raise KeyError(f"saved values not in the joint graph: {missing[:5]}")
-    saved_nodes = [by_name[name] for name in sorted(saved, key=list(by_name).index)]
+    order = {name: i for i, name in enumerate(by_name)}
+    saved_nodes = [by_name[name] for name in sorted(saved, key=order.__getitem__)]
     fw, bw = _extract_fwd_bwd_modules(joint, saved_nodes, [], num_fwd_outputs=num_fwd_outputs)
     bw = reordering_to_mimic_autograd_engine(bw)
     # A saved value backward ends up not reading (reordering drops its only reader, a node no gradient

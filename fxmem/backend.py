@@ -28,7 +28,7 @@ import torch
 from fxmem.budget import budget_bytes
 from fxmem.capture import describe_input
 from fxmem.cost import DeviceSpec, preset_for
-from fxmem.errors import GIB
+from fxmem.errors import GIB, TraceError
 from fxmem.ledger import GraphRecord, Ledger
 from fxmem.plan import Plan
 from fxmem.planner import Planner, PlanRequest
@@ -140,6 +140,11 @@ class _InductorPartitioner:
         kwargs.pop("compiler", None)
         return self.planner(gm, joint_inputs, **kwargs)
 
+    def __deepcopy__(self, memo):
+        # Inductor deep-copies its config to write repro strings; the planner holds the step's graphs
+        # and plans (fake tensors under dynamic shapes), which neither need nor allow a copy.
+        return self
+
     def uuid(self) -> Any:
         return None  # never cache: the plan depends on the budget and on the other graphs
 
@@ -164,6 +169,7 @@ def fxmem_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], optio
     graph's tensor inputs live on, e.g. "h100" for a model on an H100), solver (default "auto").
     """
     options = _validate(options)
+    _refuse_dynamic_shapes(example_inputs)
     budget = budget_bytes(options["budget_gb"])
     inner = options.get("inner") or ("inductor" if has_cxx_compiler() else "aot_eager")
     with _LOCK:
@@ -190,6 +196,19 @@ def fxmem_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], optio
             warnings.warn(f"fxmem backend: Inductor unavailable ({exc}); running the planned graphs with "
                           "aot_eager instead (the budget still applies)", stacklevel=2)
     return _counted(_compile_aot_eager(gm, example_inputs, planner), record)
+
+
+def _refuse_dynamic_shapes(example_inputs: Sequence[Any]) -> None:
+    """A plan is for one shape (its peak is bytes, not a formula): a graph traced with symbolic sizes,
+    as torch.compile makes after a second input shape or with dynamic=True, gets a clear error."""
+    for k, value in enumerate(example_inputs):
+        sizes = tuple(value.shape) if isinstance(value, torch.Tensor) else (value,)
+        if any(isinstance(size, torch.SymInt) for size in sizes):
+            raise TraceError(
+                f"graph input {k} has dynamic sizes {sizes}, from torch.compile's dynamic shapes (dynamic=True, or "
+                "the second input shape it sees), and a plan is for one shape",
+                "compile with dynamic=False, e.g. torch.compile(model, backend='fxmem', dynamic=False, "
+                "options=...), to plan each shape separately, or use fxmem.optimize, which does")
 
 
 def _counted(compiled: Callable[..., Any], record: GraphRecord) -> Callable[..., Any]:

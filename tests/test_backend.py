@@ -219,3 +219,17 @@ def test_prices_for_the_device_the_inputs_live_on(on_cuda):
     _compiled(model, options)(*inputs).sum().backward()
     (plan,) = plans_for(options)
     assert plan.device == preset_for(device).name
+
+
+def test_dynamic_shapes_get_a_clear_error_and_static_compiles_plan_each_shape():
+    model, _ = _setup("gpt-tiny")
+    reference = copy.deepcopy(model)
+    options = {"budget_gb": 1.0, "inner": "aot_eager", "time_limit_s": 2}
+    model.compile(backend="fxmem", dynamic=False, options=options)
+    for batch in (4, 2):  # a second shape: Dynamo recompiles, fxmem plans it on its own
+        assert_trains_like(reference, model, models.example_inputs("gpt-tiny", batch_size=batch))
+    assert len(plans_for(options)) == 2
+    torch._dynamo.reset()
+    dynamic = torch.compile(copy.deepcopy(reference), backend="fxmem", dynamic=True, options=options)
+    with pytest.raises(Exception, match="dynamic sizes .* compile with dynamic=False"):
+        dynamic(*models.example_inputs("gpt-tiny", batch_size=4))

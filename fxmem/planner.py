@@ -264,7 +264,8 @@ class Planner:
         simulate = lambda rec, offloaded=frozenset(): self._candidate(joint, lowered, rec, offloaded)
         relax_s = max(RELAX_MIN_S, request.time_limit_s * RELAX_SHARE)
         large = fallback and problem.num_values > LARGE_CANDIDATES
-        fitted = self._solver_fit(problem, budget, request.time_limit_s * (SOLVER_SHARE if large else 1), simulate)
+        fitted = self._solver_fit(problem, budget, margin, request.time_limit_s * (SOLVER_SHARE if large else 1),
+                                  simulate)
         if fitted is not None:
             fitted = spend_slack(problem, *fitted, budget, simulate, relax_s)
         if not fallback or (fitted is not None and not large):
@@ -289,7 +290,8 @@ class Planner:
         raise InfeasibleBudgetError(int(budget + margin), _with_margin(low.timeline.peak), breakdown,
                                     lower_bound_bytes=_with_margin(bound), proven=least.proven)
 
-    def _solver_fit(self, problem, budget: int, time_limit_s: float, simulate) -> tuple[_Candidate, Solution] | None:
+    def _solver_fit(self, problem, budget: int, margin: int, time_limit_s: float, simulate
+                    ) -> tuple[_Candidate, Solution] | None:
         """The solver's decision at `budget`, its budget tightened by the simulated overshoot until
         the graphs fit (at most `MAX_TIGHTENINGS` solves); None when it finds nothing that fits."""
         target = budget
@@ -300,8 +302,9 @@ class Planner:
             if solution.status == "infeasible":
                 break
             candidate = simulate(solution.recompute, solution.offloaded)
-            log.info("%s: %s in %.1f s, simulated peak %s, budget %s", solution.solver, solution.status,
-                     solution.solve_time_s, fmt_bytes(candidate.timeline.peak), fmt_bytes(budget))
+            log.info("%s: %s in %.1f s, simulated peak %s, budget %s less a %s margin", solution.solver,
+                     solution.status, solution.solve_time_s, fmt_bytes(candidate.timeline.peak),
+                     fmt_bytes(budget + margin), fmt_bytes(margin))
             if candidate.timeline.peak <= budget:
                 return candidate, solution
             target -= candidate.timeline.peak - budget

@@ -35,48 +35,55 @@ class Blocks:
         return out
 
 
+def _stack(same: list) -> list:
+    """One block of `same` (blocks sharing a lifetime) stacked, largest lowest."""
+    same = sorted(same, key=lambda b: -b[2])
+    members, base = [], 0
+    for b in same:
+        members.extend((i, o + base) for i, o in b[3])
+        base += b[2]
+    return [same[0][0], same[0][1], base, members]
+
+
+def _chain(blocks: list) -> list:
+    """Blocks with each run of same-size blocks, each ending where the next starts, chained into one."""
+    by_head: dict[tuple[int, int], list] = {}
+    ordered = sorted(blocks, key=lambda b: b[0])
+    for b in ordered:
+        by_head.setdefault((b[0], b[2]), []).append(b)
+    taken: set[int] = set()
+    merged = []
+    for b in ordered:
+        if id(b) in taken:
+            continue
+        taken.add(id(b))
+        chain = [b]
+        while True:
+            nxt = next((c for c in by_head.get((chain[-1][1], b[2]), ()) if id(c) not in taken), None)
+            if nxt is None:
+                break
+            taken.add(id(nxt))
+            chain.append(nxt)
+        merged.append(b if len(chain) == 1 else [b[0], chain[-1][1], b[2], [m for c in chain for m in c[3]]])
+    return merged
+
+
+def _stacked(blocks: list) -> list:
+    """Blocks with every group sharing a lifetime stacked into one."""
+    by_life: dict[tuple[int, int], list] = {}
+    for b in blocks:
+        by_life.setdefault((b[0], b[1]), []).append(b)
+    return [same[0] if len(same) == 1 else _stack(same) for same in by_life.values()]
+
+
 def merge_blocks(start: np.ndarray, end: np.ndarray, size: np.ndarray) -> Blocks:
-    """Stack blocks sharing a lifetime (largest lowest) and chain same-size blocks end to start, until
+    """Chain same-size blocks end to start, then stack blocks sharing a lifetime (largest lowest), until
     neither changes anything."""
     # A block: [start, end, size, members as a list of (buffer, offset inside)].
     blocks = [[int(start[i]), int(end[i]), int(size[i]), [(i, 0)]] for i in range(len(start)) if size[i] > 0]
     while True:
         count = len(blocks)
-        by_life: dict[tuple[int, int], list] = {}
-        for b in blocks:
-            by_life.setdefault((b[0], b[1]), []).append(b)
-        blocks = []
-        for (s, e), same in by_life.items():
-            if len(same) == 1:
-                blocks.append(same[0])
-                continue
-            same.sort(key=lambda b: -b[2])
-            members, base = [], 0
-            for b in same:
-                members.extend((i, o + base) for i, o in b[3])
-                base += b[2]
-            blocks.append([s, e, base, members])
-        by_head: dict[tuple[int, int], list] = {}
-        for b in sorted(blocks, key=lambda b: b[0]):
-            by_head.setdefault((b[0], b[2]), []).append(b)
-        taken: set[int] = set()
-        merged = []
-        for b in sorted(blocks, key=lambda b: b[0]):
-            if id(b) in taken:
-                continue
-            taken.add(id(b))
-            chain = [b]
-            while True:
-                nxt = next((c for c in by_head.get((chain[-1][1], b[2]), ()) if id(c) not in taken), None)
-                if nxt is None:
-                    break
-                taken.add(id(nxt))
-                chain.append(nxt)
-            if len(chain) == 1:
-                merged.append(b)
-            else:
-                merged.append([b[0], chain[-1][1], b[2], [m for c in chain for m in c[3]]])
-        blocks = merged
+        blocks = _stacked(_chain(blocks))
         if len(blocks) == count:
             break
     block = np.full(len(start), -1, dtype=np.int64)

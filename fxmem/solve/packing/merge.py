@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fxmem.solve.packing import components
+
 
 @dataclass(frozen=True)
 class Blocks:
@@ -42,7 +44,7 @@ def _stack(same: list) -> list:
     for b in same:
         members.extend((i, o + base) for i, o in b[3])
         base += b[2]
-    return [same[0][0], same[0][1], base, members]
+    return [same[0][0], same[0][1], base, members, same[0][4]]
 
 
 def _chain(blocks: list) -> list:
@@ -50,7 +52,7 @@ def _chain(blocks: list) -> list:
     by_head: dict[tuple[int, int], list] = {}
     ordered = sorted(blocks, key=lambda b: b[0])
     for b in ordered:
-        by_head.setdefault((b[0], b[2]), []).append(b)
+        by_head.setdefault((b[0], b[2], b[4]), []).append(b)
     taken: set[int] = set()
     merged = []
     for b in ordered:
@@ -59,12 +61,12 @@ def _chain(blocks: list) -> list:
         taken.add(id(b))
         chain = [b]
         while True:
-            nxt = next((c for c in by_head.get((chain[-1][1], b[2]), ()) if id(c) not in taken), None)
+            nxt = next((c for c in by_head.get((chain[-1][1], b[2], b[4]), ()) if id(c) not in taken), None)
             if nxt is None:
                 break
             taken.add(id(nxt))
             chain.append(nxt)
-        merged.append(b if len(chain) == 1 else [b[0], chain[-1][1], b[2], [m for c in chain for m in c[3]]])
+        merged.append(b if len(chain) == 1 else [b[0], chain[-1][1], b[2], [m for c in chain for m in c[3]], b[4]])
     return merged
 
 
@@ -79,8 +81,13 @@ def _stacked(blocks: list) -> list:
 def merge_blocks(start: np.ndarray, end: np.ndarray, size: np.ndarray) -> Blocks:
     """Chain same-size blocks end to start, then stack blocks sharing a lifetime (largest lowest), until
     neither changes anything."""
-    # A block: [start, end, size, members as a list of (buffer, offset inside)].
-    blocks = [[int(start[i]), int(end[i]), int(size[i]), [(i, 0)]] for i in range(len(start)) if size[i] > 0]
+    # A block: [start, end, size, members as a list of (buffer, offset inside), group of chained lifetimes].
+    # Blocks of two groups are never chained: the groups stay apart, to be packed one by one.
+    group = np.zeros(len(start), dtype=np.int64)
+    for g, members in enumerate(components(start, end)):
+        group[members] = g
+    blocks = [[int(start[i]), int(end[i]), int(size[i]), [(i, 0)], int(group[i])]
+              for i in range(len(start)) if size[i] > 0]
     while True:
         count = len(blocks)
         blocks = _stacked(_chain(blocks))

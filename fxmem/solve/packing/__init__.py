@@ -215,9 +215,11 @@ def _pack_units(start: np.ndarray, end: np.ndarray, size: np.ndarray, lower: int
         from fxmem.solve.packing.merge import merge_blocks
 
         blocks = merge_blocks(start, end, size)
-        if len(blocks.size) < int((size > 0).sum()):
+        kept = len(blocks.size) / max(1, int((size > 0).sum()))
+        if kept < 1:  # the share of time shrinks when merging hardly shrinks the instance
+            share = MERGED_SHARE * min(1.0, 2 * (1 - kept))
             found, how, _ = _pack_units(blocks.start, blocks.end, blocks.size, lower,
-                                        started + MERGED_SHARE * time_limit_s, num_workers, seed, merge=False)
+                                        started + share * time_limit_s, num_workers, seed, merge=False)
             found = blocks.expand(found)
             if arena_of(found, size) < arena_of(offsets, size):
                 offsets, method = found, f"merged blocks, {how}"

@@ -213,16 +213,17 @@ def test_merged_blocks_expand_to_valid_packings_with_the_same_bound(n, seed):
         lower = int(live_profile(start, end, size)[1].max())
     else:
         start, end, size, lower = _hard_arrays(n, seed)
-    blocks = merge_blocks(start, end, size)
-    assert ((blocks.block >= 0) == (size > 0)).all(), "every sized buffer in one block, no other"
-    assert len(blocks.size) <= int((size > 0).sum())
-    assert int(live_profile(blocks.start, blocks.end, blocks.size)[1].max(initial=0)) == lower
-    sized = blocks.block >= 0
-    b = blocks.block[sized]
-    assert (blocks.start[b] <= start[sized]).all() and (blocks.end[b] >= end[sized]).all()
-    assert (blocks.inner[sized] >= 0).all() and (blocks.inner[sized] + size[sized] <= blocks.size[b]).all()
-    placed, _ = best_heuristic(blocks.start, blocks.end, blocks.size, time_limit_s=0.0)
-    check_packing(start, end, size, blocks.expand(placed))
+    for pairs in (False, True):
+        blocks = merge_blocks(start, end, size, pairs=pairs)
+        assert ((blocks.block >= 0) == (size > 0)).all(), "every sized buffer in one block, no other"
+        assert len(blocks.size) <= int((size > 0).sum())
+        assert int(live_profile(blocks.start, blocks.end, blocks.size)[1].max(initial=0)) == lower
+        sized = blocks.block >= 0
+        b = blocks.block[sized]
+        assert (blocks.start[b] <= start[sized]).all() and (blocks.end[b] >= end[sized]).all()
+        assert (blocks.inner[sized] >= 0).all() and (blocks.inner[sized] + size[sized] <= blocks.size[b]).all()
+        placed, _ = best_heuristic(blocks.start, blocks.end, blocks.size, time_limit_s=0.0)
+        check_packing(start, end, size, blocks.expand(placed))
 
 
 def test_merging_never_makes_the_packing_larger_and_packs_1000_hard_buffers_near_the_bound():

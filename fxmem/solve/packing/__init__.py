@@ -20,7 +20,7 @@ from fxmem.errors import PackingError
 _BIG = np.int64(1) << 60
 LNS_ABOVE = 150  # more sized buffers than this: windows re-solved by CP-SAT, not the whole packing
 SKYLINE_SHARE = 0.6  # of the time limit, heuristics included, before CP-SAT
-MERGED_SHARE = 0.5  # of the time limit, for packing merged blocks (`fxmem.solve.packing.merge`)
+MERGED_SHARE = 0.6  # of the time limit, for packing merged blocks (`fxmem.solve.packing.merge`)
 
 
 @dataclass(frozen=True)
@@ -214,15 +214,21 @@ def _pack_units(start: np.ndarray, end: np.ndarray, size: np.ndarray, lower: int
     if merge and arena_of(offsets, size) > lower and time_limit_s > 0:
         from fxmem.solve.packing.merge import merge_blocks
 
-        blocks = merge_blocks(start, end, size)
-        kept = len(blocks.size) / max(1, int((size > 0).sum()))
-        if kept < 1:  # the share of time shrinks when merging hardly shrinks the instance
-            share = MERGED_SHARE * min(1.0, 2 * (1 - kept))
-            found, how, _ = _pack_units(blocks.start, blocks.end, blocks.size, lower,
-                                        started + share * time_limit_s, num_workers, seed, merge=False)
+        # Two ways of merging (whole runs of chained blocks, or pairs between stackings): each goes wrong
+        # where the other does not. Each gets an even part of what is left of the merged blocks' time.
+        for left_ways, pairs in ((2, False), (1, True)):
+            blocks = merge_blocks(start, end, size, pairs=pairs)
+            kept = len(blocks.size) / max(1, int((size > 0).sum()))
+            if kept >= 1 or arena_of(offsets, size) <= lower:
+                break
+            share = MERGED_SHARE * min(1.0, 2 * (1 - kept))  # less when merging hardly shrinks the instance
+            now = time.perf_counter()
+            part = max(0.0, started + share * time_limit_s - now) / left_ways
+            found, how, _ = _pack_units(blocks.start, blocks.end, blocks.size, lower, now + part, num_workers,
+                                        seed, merge=False)
             found = blocks.expand(found)
             if arena_of(found, size) < arena_of(offsets, size):
-                offsets, method = found, f"merged blocks, {how}"
+                offsets, method = found, f"merged blocks{' (pairs)' if pairs else ''}, {how}"
     groups = components(start, end)
     if arena_of(offsets, size) > lower and time_limit_s > 0:
         found = _skyline_by_group(start, end, size, lower, offsets, groups,

@@ -47,8 +47,9 @@ def _stack(same: list) -> list:
     return [same[0][0], same[0][1], base, members, same[0][4]]
 
 
-def _chain(blocks: list) -> list:
-    """Blocks with each run of same-size blocks, each ending where the next starts, chained into one."""
+def _chain(blocks: list, pairs: bool = False) -> list:
+    """Blocks with each run of same-size blocks, each ending where the next starts, chained into one
+    (with `pairs`, at most two blocks to a run)."""
     by_head: dict[tuple[int, int], list] = {}
     ordered = sorted(blocks, key=lambda b: b[0])
     for b in ordered:
@@ -60,7 +61,7 @@ def _chain(blocks: list) -> list:
             continue
         taken.add(id(b))
         chain = [b]
-        while True:
+        while not pairs or len(chain) < 2:
             nxt = next((c for c in by_head.get((chain[-1][1], b[2], b[4]), ()) if id(c) not in taken), None)
             if nxt is None:
                 break
@@ -78,9 +79,10 @@ def _stacked(blocks: list) -> list:
     return [same[0] if len(same) == 1 else _stack(same) for same in by_life.values()]
 
 
-def merge_blocks(start: np.ndarray, end: np.ndarray, size: np.ndarray) -> Blocks:
+def merge_blocks(start: np.ndarray, end: np.ndarray, size: np.ndarray, rounds: int = 1 << 30,
+                 pairs: bool = False) -> Blocks:
     """Chain same-size blocks end to start, then stack blocks sharing a lifetime (largest lowest), until
-    neither changes anything."""
+    neither changes anything or after `rounds` rounds."""
     # A block: [start, end, size, members as a list of (buffer, offset inside), group of chained lifetimes].
     # Blocks of two groups are never chained: the groups stay apart, to be packed one by one.
     group = np.zeros(len(start), dtype=np.int64)
@@ -88,9 +90,9 @@ def merge_blocks(start: np.ndarray, end: np.ndarray, size: np.ndarray) -> Blocks
         group[members] = g
     blocks = [[int(start[i]), int(end[i]), int(size[i]), [(i, 0)], int(group[i])]
               for i in range(len(start)) if size[i] > 0]
-    while True:
+    for _ in range(rounds):
         count = len(blocks)
-        blocks = _stacked(_chain(blocks))
+        blocks = _stacked(_chain(blocks, pairs))
         if len(blocks) == count:
             break
     block = np.full(len(start), -1, dtype=np.int64)

@@ -2,10 +2,12 @@
 time never share a byte (dynamic storage allocation with known lifetimes).
 
 Reads `(start, end, size)` triples (half-open lifetimes `[start, end)` in steps, sizes in bytes);
-returns a frozen `Packing`. Torch-free: best-fit heuristics here, a skyline search
-(`fxmem.solve.packing.search`), then OR-Tools CP-SAT seeded with the best packing: on the whole packing
-(`fxmem.solve.packing.cpsat`) up to `LNS_ABOVE` buffers, on windows of it (large-neighbourhood search,
-`fxmem.solve.packing.lns`) above, until the lower bound is reached or time runs out.
+returns a frozen `Packing`. Torch-free: best-fit heuristics here; the same pipeline on blocks of merged
+buffers (`fxmem.solve.packing.merge`: same-lifetime buffers stacked, same-size buffers chained), expanded
+back; a skyline search (`fxmem.solve.packing.search`) per group of chained lifetimes; then OR-Tools CP-SAT
+seeded with the best packing: on the whole packing (`fxmem.solve.packing.cpsat`) up to `LNS_ABOVE`
+buffers, on windows of it (large-neighbourhood search, `fxmem.solve.packing.lns`) above, until the lower
+bound is reached or time runs out.
 """
 from __future__ import annotations
 
@@ -210,7 +212,7 @@ def _pack_units(start: np.ndarray, end: np.ndarray, size: np.ndarray, lower: int
     then (with `merge`) the whole pipeline on merged blocks, then skyline search and CP-SAT."""
     started = time.perf_counter()
     time_limit_s = max(0.0, deadline - started)
-    offsets, method = best_heuristic(start, end, size, min(1.0, time_limit_s / 10), seed)
+    offsets, method = best_heuristic(start, end, size, 0.0, seed)  # the named orders only: quick
     if merge and arena_of(offsets, size) > lower and time_limit_s > 0:
         from fxmem.solve.packing.merge import merge_blocks
 
@@ -229,6 +231,10 @@ def _pack_units(start: np.ndarray, end: np.ndarray, size: np.ndarray, lower: int
             found = blocks.expand(found)
             if arena_of(found, size) < arena_of(offsets, size):
                 offsets, method = found, f"merged blocks{' (pairs)' if pairs else ''}, {how}"
+    if arena_of(offsets, size) > lower:  # and perturbed orders
+        found, how = best_heuristic(start, end, size, min(1.0, time_limit_s / 10), seed)
+        if arena_of(found, size) < arena_of(offsets, size):
+            offsets, method = found, how
     groups = components(start, end)
     if arena_of(offsets, size) > lower and time_limit_s > 0:
         found = _skyline_by_group(start, end, size, lower, offsets, groups,
@@ -265,10 +271,11 @@ def _pack_units(start: np.ndarray, end: np.ndarray, size: np.ndarray, lower: int
 def pack_buffers(buffers: Sequence[Sequence[int]], *, alignment: int = 64, time_limit_s: float = 10.0,
                  num_workers: int = 2, seed: int = 0) -> Packing:
     """Offsets for `(start, end, size)` buffers (half-open lifetimes) in one arena, as small as found
-    within about `time_limit_s`: best-fit heuristics first, then a capped skyline search with
-    backtracking (`fxmem.solve.packing.search`, 60% of the time), then CP-SAT seeded with the best packing
-    (whole, or window by window above `LNS_ABOVE` buffers), each stopping as soon as the arena equals the
-    lower bound."""
+    within about `time_limit_s`: best-fit heuristics first, then the whole pipeline on merged blocks
+    (up to `MERGED_SHARE` of the time, less when merging hardly shrinks the instance), then a capped
+    skyline search with backtracking (`fxmem.solve.packing.search`, up to `SKYLINE_SHARE` of the time),
+    then CP-SAT seeded with the best packing (whole, or window by window above `LNS_ABOVE` buffers), each
+    stopping as soon as the arena equals the lower bound. With `time_limit_s=0`, heuristics only."""
     started = time.perf_counter()
     rows = _validate(buffers, alignment, time_limit_s)
     start, end, raw = rows[:, 0], rows[:, 1], rows[:, 2]

@@ -206,6 +206,43 @@ def _skyline_by_group(start: np.ndarray, end: np.ndarray, size: np.ndarray, lowe
                                       seed + len(tried))
 
 
+MERGE_WAYS = ((False, 1 << 30), (True, 1 << 30), (True, 3), (False, 2))  # (pairs, rounds) of `merge_blocks`
+
+
+def _merged(start: np.ndarray, end: np.ndarray, size: np.ndarray, lower: int, offsets: np.ndarray, method: str,
+            deadline: float, num_workers: int, seed: int) -> tuple[np.ndarray, str]:
+    """`offsets` bettered group by group (of chained lifetimes) with packings of blocks merged in the ways
+    of `MERGE_WAYS` (each goes wrong where another does not), each way given an even part of the time
+    left before `deadline`, less when merging hardly shrinks the instance."""
+    from fxmem.solve.packing.merge import merge_blocks
+
+    offsets = offsets.copy()
+    groups = components(start, end)
+    began = time.perf_counter()
+    seen: set[tuple[bool, int]] = set()
+    for n, (pairs, rounds) in enumerate(MERGE_WAYS):
+        over = [grp for grp in groups if arena_of(offsets[grp], size[grp]) > lower]
+        if not over:
+            break
+        idx = np.concatenate(over)  # only the groups still above the bound
+        blocks = merge_blocks(start[idx], end[idx], size[idx], rounds=rounds, pairs=pairs)
+        kept = len(blocks.size) / max(1, int((size[idx] > 0).sum()))
+        if kept >= 1 or (pairs, len(blocks.size)) in seen:
+            continue
+        seen.add((pairs, len(blocks.size)))
+        now = time.perf_counter()
+        part = max(0.0, began + min(1.0, 2 * (1 - kept)) * (deadline - began) - now) / (len(MERGE_WAYS) - n)
+        found, how, _ = _pack_units(blocks.start, blocks.end, blocks.size, lower, now + part, num_workers, seed,
+                                    merge=False)
+        trial = offsets.copy()
+        trial[idx] = blocks.expand(found)
+        for grp in over:
+            if arena_of(trial[grp], size[grp]) < arena_of(offsets[grp], size[grp]):
+                offsets[grp] = trial[grp]
+                method = f"merged blocks, {how}"
+    return offsets, method
+
+
 def _pack_units(start: np.ndarray, end: np.ndarray, size: np.ndarray, lower: int, deadline: float,
                 num_workers: int, seed: int, merge: bool = True) -> tuple[np.ndarray, str, bool]:
     """(offsets, method, proved optimal) for sizes in units, by `deadline` (perf_counter): heuristics,
@@ -214,23 +251,8 @@ def _pack_units(start: np.ndarray, end: np.ndarray, size: np.ndarray, lower: int
     time_limit_s = max(0.0, deadline - started)
     offsets, method = best_heuristic(start, end, size, 0.0, seed)  # the named orders only: quick
     if merge and arena_of(offsets, size) > lower and time_limit_s > 0:
-        from fxmem.solve.packing.merge import merge_blocks
-
-        # Two ways of merging (whole runs of chained blocks, or pairs between stackings): each goes wrong
-        # where the other does not. Each gets an even part of what is left of the merged blocks' time.
-        for left_ways, pairs in ((2, False), (1, True)):
-            blocks = merge_blocks(start, end, size, pairs=pairs)
-            kept = len(blocks.size) / max(1, int((size > 0).sum()))
-            if kept >= 1 or arena_of(offsets, size) <= lower:
-                break
-            share = MERGED_SHARE * min(1.0, 2 * (1 - kept))  # less when merging hardly shrinks the instance
-            now = time.perf_counter()
-            part = max(0.0, started + share * time_limit_s - now) / left_ways
-            found, how, _ = _pack_units(blocks.start, blocks.end, blocks.size, lower, now + part, num_workers,
-                                        seed, merge=False)
-            found = blocks.expand(found)
-            if arena_of(found, size) < arena_of(offsets, size):
-                offsets, method = found, f"merged blocks{' (pairs)' if pairs else ''}, {how}"
+        offsets, method = _merged(start, end, size, lower, offsets, method, started + MERGED_SHARE * time_limit_s,
+                                  num_workers, seed)
     if arena_of(offsets, size) > lower:  # and perturbed orders
         found, how = best_heuristic(start, end, size, min(1.0, time_limit_s / 10), seed)
         if arena_of(found, size) < arena_of(offsets, size):

@@ -213,8 +213,8 @@ def test_merged_blocks_expand_to_valid_packings_with_the_same_bound(n, seed):
         lower = int(live_profile(start, end, size)[1].max())
     else:
         start, end, size, lower = _hard_arrays(n, seed)
-    for pairs in (False, True):
-        blocks = merge_blocks(start, end, size, pairs=pairs)
+    for pairs, stack_first in ((False, False), (True, False), (False, True), (True, True)):
+        blocks = merge_blocks(start, end, size, pairs=pairs, stack_first=stack_first)
         assert ((blocks.block >= 0) == (size > 0)).all(), "every sized buffer in one block, no other"
         assert len(blocks.size) <= int((size > 0).sum())
         assert int(live_profile(blocks.start, blocks.end, blocks.size)[1].max(initial=0)) == lower

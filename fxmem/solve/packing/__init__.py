@@ -206,7 +206,9 @@ def _skyline_by_group(start: np.ndarray, end: np.ndarray, size: np.ndarray, lowe
                                       seed + len(tried))
 
 
-MERGE_WAYS = ((False, 1 << 30), (True, 1 << 30), (True, 3), (False, 2))  # (pairs, rounds) of `merge_blocks`
+# (pairs, stack_first, rounds) of `merge_blocks`
+MERGE_WAYS = ((False, False, 1 << 30), (False, True, 1 << 30), (True, False, 1 << 30), (True, True, 1 << 30),
+              (True, False, 3))
 
 
 def _merged(start: np.ndarray, end: np.ndarray, size: np.ndarray, lower: int, offsets: np.ndarray, method: str,
@@ -219,17 +221,17 @@ def _merged(start: np.ndarray, end: np.ndarray, size: np.ndarray, lower: int, of
     offsets = offsets.copy()
     groups = components(start, end)
     began = time.perf_counter()
-    seen: set[tuple[bool, int]] = set()
-    for n, (pairs, rounds) in enumerate(MERGE_WAYS):
+    seen: set[tuple[bool, bool, int]] = set()
+    for n, (pairs, stack_first, rounds) in enumerate(MERGE_WAYS):
         over = [grp for grp in groups if arena_of(offsets[grp], size[grp]) > lower]
         if not over:
             break
         idx = np.concatenate(over)  # only the groups still above the bound
-        blocks = merge_blocks(start[idx], end[idx], size[idx], rounds=rounds, pairs=pairs)
+        blocks = merge_blocks(start[idx], end[idx], size[idx], rounds=rounds, pairs=pairs, stack_first=stack_first)
         kept = len(blocks.size) / max(1, int((size[idx] > 0).sum()))
-        if kept >= 1 or (pairs, len(blocks.size)) in seen:
+        if kept >= 1 or (pairs, stack_first, len(blocks.size)) in seen:
             continue
-        seen.add((pairs, len(blocks.size)))
+        seen.add((pairs, stack_first, len(blocks.size)))
         now = time.perf_counter()
         part = max(0.0, began + min(1.0, 2 * (1 - kept)) * (deadline - began) - now) / (len(MERGE_WAYS) - n)
         found, how, _ = _pack_units(blocks.start, blocks.end, blocks.size, lower, now + part, num_workers, seed,

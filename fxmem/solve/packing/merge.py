@@ -80,9 +80,10 @@ def _stacked(blocks: list) -> list:
 
 
 def merge_blocks(start: np.ndarray, end: np.ndarray, size: np.ndarray, rounds: int = 1 << 30,
-                 pairs: bool = False) -> Blocks:
-    """Chain same-size blocks end to start, then stack blocks sharing a lifetime (largest lowest), until
-    neither changes anything or after `rounds` rounds."""
+                 pairs: bool = False, stack_first: bool = False) -> Blocks:
+    """Chain same-size blocks end to start (with `pairs`, two at most to a chain in one round), then stack
+    blocks sharing a lifetime (largest lowest), or the other way round with `stack_first`, until neither
+    changes anything or after `rounds` rounds."""
     # A block: [start, end, size, members as a list of (buffer, offset inside), group of chained lifetimes].
     # Blocks of two groups are never chained: the groups stay apart, to be packed one by one.
     group = np.zeros(len(start), dtype=np.int64)
@@ -92,7 +93,7 @@ def merge_blocks(start: np.ndarray, end: np.ndarray, size: np.ndarray, rounds: i
               for i in range(len(start)) if size[i] > 0]
     for _ in range(rounds):
         count = len(blocks)
-        blocks = _stacked(_chain(blocks, pairs))
+        blocks = _chain(_stacked(blocks), pairs) if stack_first else _stacked(_chain(blocks, pairs))
         if len(blocks) == count:
             break
     block = np.full(len(start), -1, dtype=np.int64)

@@ -255,7 +255,7 @@ def _pack_units(start: np.ndarray, end: np.ndarray, size: np.ndarray, lower: int
     if merge and arena_of(offsets, size) > lower and time_limit_s > 0:
         offsets, method = _merged(start, end, size, lower, offsets, method, started + MERGED_SHARE * time_limit_s,
                                   num_workers, seed)
-    if arena_of(offsets, size) > lower:  # and perturbed orders
+    if arena_of(offsets, size) > lower and not method.startswith("merged"):  # perturbed orders: a second
         found, how = best_heuristic(start, end, size, min(1.0, time_limit_s / 10), seed)
         if arena_of(found, size) < arena_of(offsets, size):
             offsets, method = found, how

@@ -236,3 +236,23 @@ def test_merging_never_makes_the_packing_larger_and_packs_1000_hard_buffers_near
     _no_overlap(buffers, packing, 64)
     assert packing.arena_bytes <= arena_of(heuristic, size) * 64
     assert packing.gap <= 0.05, (packing.gap, packing.method)
+
+
+def test_merge_blocks_stacks_shared_lifetimes_and_chains_same_sizes():
+    import numpy as np
+
+    from fxmem.solve.packing.merge import merge_blocks
+
+    arr = lambda *xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
+    # Chained (same size, one ends where the other starts), then stacked with the third (same lifetime).
+    chained = merge_blocks(arr(0, 2, 0), arr(2, 5, 5), arr(4, 4, 1))
+    assert (list(chained.start), list(chained.end), list(chained.size)) == ([0], [5], [5])
+    assert list(chained.inner) == [0, 0, 4]
+    alone = merge_blocks(arr(0, 2), arr(2, 5), arr(4, 4))  # nothing alive across step 2: two groups, kept apart
+    assert len(alone.size) == 2
+    stacked = merge_blocks(arr(0, 0), arr(3, 3), arr(2, 5))
+    assert list(stacked.size) == [7] and sorted(stacked.inner) == [0, 5]
+    apart = merge_blocks(arr(0, 2), arr(2, 4), arr(4, 3))  # different sizes: nothing to merge
+    assert len(apart.size) == 2
+    empty = merge_blocks(arr(), arr(), arr())
+    assert len(empty.size) == 0 and len(empty.expand(np.zeros(0, dtype=np.int64))) == 0

@@ -198,3 +198,61 @@ def test_skyline_search_tiles_a_500_buffer_hard_instance_exactly():
     found = skyline_search(start, end, size, lower, seeded, time_limit_s=4.0)
     check_packing(start, end, size, found)
     assert arena_of(found, size) == lower
+
+
+@pytest.mark.parametrize("n, seed", [(60, 0), (300, 1), (1000, 2)])
+def test_merged_blocks_expand_to_valid_packings_with_the_same_bound(n, seed):
+    import numpy as np
+
+    from fxmem.solve.packing import best_heuristic, live_profile
+    from fxmem.solve.packing.merge import merge_blocks
+
+    if n == 60:  # random lifetimes and sizes, some of size 0
+        arr = np.asarray(_random(n, seed), dtype=np.int64)
+        start, end, size = arr[:, 0], arr[:, 1], -(-arr[:, 2] // 64)
+        lower = int(live_profile(start, end, size)[1].max())
+    else:
+        start, end, size, lower = _hard_arrays(n, seed)
+    for pairs, stack_first in ((False, False), (True, False), (False, True), (True, True)):
+        blocks = merge_blocks(start, end, size, pairs=pairs, stack_first=stack_first)
+        assert ((blocks.block >= 0) == (size > 0)).all(), "every sized buffer in one block, no other"
+        assert len(blocks.size) <= int((size > 0).sum())
+        assert int(live_profile(blocks.start, blocks.end, blocks.size)[1].max(initial=0)) == lower
+        sized = blocks.block >= 0
+        b = blocks.block[sized]
+        assert (blocks.start[b] <= start[sized]).all() and (blocks.end[b] >= end[sized]).all()
+        assert (blocks.inner[sized] >= 0).all() and (blocks.inner[sized] + size[sized] <= blocks.size[b]).all()
+        placed, _ = best_heuristic(blocks.start, blocks.end, blocks.size, time_limit_s=0.0)
+        check_packing(start, end, size, blocks.expand(placed))
+
+
+def test_merging_never_makes_the_packing_larger_and_packs_1000_hard_buffers_near_the_bound():
+    from fxmem.solve.packing import arena_of, best_heuristic
+
+    start, end, size, lower = _hard_arrays(1000, 3)
+    buffers = hard_instance(1000, seed=3)
+    heuristic, _ = best_heuristic(start, end, size, time_limit_s=0.0)
+    packing = fxmem.pack_buffers(buffers, time_limit_s=10.0)
+    _no_overlap(buffers, packing, 64)
+    assert packing.arena_bytes <= arena_of(heuristic, size) * 64
+    assert packing.gap <= 0.05, (packing.gap, packing.method)
+
+
+def test_merge_blocks_stacks_shared_lifetimes_and_chains_same_sizes():
+    import numpy as np
+
+    from fxmem.solve.packing.merge import merge_blocks
+
+    arr = lambda *xs: np.asarray(xs, dtype=np.int64)  # noqa: E731
+    # Chained (same size, one ends where the other starts), then stacked with the third (same lifetime).
+    chained = merge_blocks(arr(0, 2, 0), arr(2, 5, 5), arr(4, 4, 1))
+    assert (list(chained.start), list(chained.end), list(chained.size)) == ([0], [5], [5])
+    assert list(chained.inner) == [0, 0, 4]
+    alone = merge_blocks(arr(0, 2), arr(2, 5), arr(4, 4))  # nothing alive across step 2: two groups, kept apart
+    assert len(alone.size) == 2
+    stacked = merge_blocks(arr(0, 0), arr(3, 3), arr(2, 5))
+    assert list(stacked.size) == [7] and sorted(stacked.inner) == [0, 5]
+    apart = merge_blocks(arr(0, 2), arr(2, 4), arr(4, 3))  # different sizes: nothing to merge
+    assert len(apart.size) == 2
+    empty = merge_blocks(arr(), arr(), arr())
+    assert len(empty.size) == 0 and len(empty.expand(np.zeros(0, dtype=np.int64))) == 0

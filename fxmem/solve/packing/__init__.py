@@ -2,10 +2,12 @@
 time never share a byte (dynamic storage allocation with known lifetimes).
 
 Reads `(start, end, size)` triples (half-open lifetimes `[start, end)` in steps, sizes in bytes);
-returns a frozen `Packing`. Torch-free: best-fit heuristics here, a skyline search
-(`fxmem.solve.packing.search`), then OR-Tools CP-SAT seeded with the best packing: on the whole packing
-(`fxmem.solve.packing.cpsat`) up to `LNS_ABOVE` buffers, on windows of it (large-neighbourhood search,
-`fxmem.solve.packing.lns`) above, until the lower bound is reached or time runs out.
+returns a frozen `Packing`. Torch-free: best-fit heuristics here; the same pipeline on blocks of merged
+buffers (`fxmem.solve.packing.merge`: same-lifetime buffers stacked, same-size buffers chained), expanded
+back; a skyline search (`fxmem.solve.packing.search`) per group of chained lifetimes; then OR-Tools CP-SAT
+seeded with the best packing: on the whole packing (`fxmem.solve.packing.cpsat`) up to `LNS_ABOVE`
+buffers, on windows of it (large-neighbourhood search, `fxmem.solve.packing.lns`) above, until the lower
+bound is reached or time runs out.
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ from fxmem.errors import PackingError
 
 _BIG = np.int64(1) << 60
 LNS_ABOVE = 150  # more sized buffers than this: windows re-solved by CP-SAT, not the whole packing
+SKYLINE_SHARE = 0.6  # of the time limit, heuristics included, before CP-SAT
+MERGED_SHARE = 0.6  # of the time limit, for packing merged blocks (`fxmem.solve.packing.merge`)
 
 
 @dataclass(frozen=True)
@@ -179,30 +183,89 @@ def check_packing(start: Sequence[int], end: Sequence[int], size: Sequence[int],
                                f"[{o[i]}, {o[i] + z[i]}) and [{o[k]}, {o[k] + z[k]})")
 
 
-def pack_buffers(buffers: Sequence[Sequence[int]], *, alignment: int = 64, time_limit_s: float = 10.0,
-                 num_workers: int = 2, seed: int = 0) -> Packing:
-    """Offsets for `(start, end, size)` buffers (half-open lifetimes) in one arena, as small as found
-    within about `time_limit_s`: best-fit heuristics first, then a capped skyline search with
-    backtracking (`fxmem.solve.packing.search`, 60% of the time), then CP-SAT seeded with the best packing
-    (whole, or window by window above `LNS_ABOVE` buffers), each stopping as soon as the arena equals the
-    lower bound."""
-    started = time.perf_counter()
-    rows = _validate(buffers, alignment, time_limit_s)
-    start, end, raw = rows[:, 0], rows[:, 1], rows[:, 2]
-    units = -(-raw // alignment)  # sizes in alignment units, rounded up
-    scale = int(np.gcd.reduce(units[units > 0])) if (units > 0).any() else 1
-    size = units // scale
-    lower = int(live_profile(start, end, size)[1].max(initial=0))
-    offsets, method = best_heuristic(start, end, size, min(1.0, time_limit_s / 10), seed)
-    if arena_of(offsets, size) > lower and time_limit_s > 0:
-        from fxmem.solve.packing.search import skyline_search
+def _skyline_by_group(start: np.ndarray, end: np.ndarray, size: np.ndarray, lower: int, offsets: np.ndarray,
+                      groups: list[np.ndarray], deadline: float, seed: int) -> np.ndarray:
+    """Skyline search on each group of buffers (lifetimes chained together) on its own, highest arena first,
+    in slices of time proportional to its buffers, until every group is at most `lower` (the bound of
+    them all: a group with less alive at its peak has slack) or `deadline` (perf_counter) passes."""
+    from fxmem.solve.packing.search import skyline_search
 
-        left = 0.6 * time_limit_s - (time.perf_counter() - started)
-        found = skyline_search(start, end, size, lower, offsets, max(0.0, left), seed)
+    offsets = offsets.copy()
+    tried: set[int] = set()
+    while True:
+        now = time.perf_counter()
+        over = [g for g, grp in enumerate(groups) if arena_of(offsets[grp], size[grp]) > lower]
+        if not over or (now >= deadline and tried):
+            return offsets
+        g = max(over, key=lambda g: arena_of(offsets[groups[g]], size[groups[g]]))
+        grp = groups[g]
+        share = len(grp) / sum(len(groups[h]) for h in over)
+        left = max(0.0, deadline - now) * (share if g not in tried else max(share, 0.5))
+        tried.add(g)
+        offsets[grp] = skyline_search(start[grp], end[grp], size[grp], lower, offsets[grp], left,
+                                      seed + len(tried))
+
+
+# (pairs, stack_first, rounds) of `merge_blocks`
+MERGE_WAYS = ((False, False, 1 << 30), (False, True, 1 << 30), (True, False, 1 << 30), (True, True, 1 << 30),
+              (True, False, 3))
+
+
+def _merged(start: np.ndarray, end: np.ndarray, size: np.ndarray, lower: int, offsets: np.ndarray, method: str,
+            deadline: float, num_workers: int, seed: int) -> tuple[np.ndarray, str]:
+    """`offsets` bettered group by group (of chained lifetimes) with packings of blocks merged in the ways
+    of `MERGE_WAYS` (each goes wrong where another does not), each way given an even part of the time
+    left before `deadline`, less when merging hardly shrinks the instance."""
+    from fxmem.solve.packing.merge import merge_blocks
+
+    offsets = offsets.copy()
+    groups = components(start, end)
+    began = time.perf_counter()
+    seen: set[tuple[bool, bool, int]] = set()
+    for n, (pairs, stack_first, rounds) in enumerate(MERGE_WAYS):
+        over = [grp for grp in groups if arena_of(offsets[grp], size[grp]) > lower]
+        if not over:
+            break
+        idx = np.concatenate(over)  # only the groups still above the bound
+        blocks = merge_blocks(start[idx], end[idx], size[idx], rounds=rounds, pairs=pairs, stack_first=stack_first)
+        kept = len(blocks.size) / max(1, int((size[idx] > 0).sum()))
+        if kept >= 1 or (pairs, stack_first, len(blocks.size)) in seen:
+            continue
+        seen.add((pairs, stack_first, len(blocks.size)))
+        now = time.perf_counter()
+        part = max(0.0, began + min(1.0, 2 * (1 - kept)) * (deadline - began) - now) / (len(MERGE_WAYS) - n)
+        found, how, _ = _pack_units(blocks.start, blocks.end, blocks.size, lower, now + part, num_workers, seed,
+                                    merge=False)
+        trial = offsets.copy()
+        trial[idx] = blocks.expand(found)
+        for grp in over:
+            if arena_of(trial[grp], size[grp]) < arena_of(offsets[grp], size[grp]):
+                offsets[grp] = trial[grp]
+                method = f"merged blocks, {how}"
+    return offsets, method
+
+
+def _pack_units(start: np.ndarray, end: np.ndarray, size: np.ndarray, lower: int, deadline: float,
+                num_workers: int, seed: int, merge: bool = True) -> tuple[np.ndarray, str, bool]:
+    """(offsets, method, proved optimal) for sizes in units, by `deadline` (perf_counter): heuristics,
+    then (with `merge`) the whole pipeline on merged blocks, then skyline search and CP-SAT."""
+    started = time.perf_counter()
+    time_limit_s = max(0.0, deadline - started)
+    offsets, method = best_heuristic(start, end, size, 0.0, seed)  # the named orders only: quick
+    if merge and arena_of(offsets, size) > lower and time_limit_s > 0:
+        offsets, method = _merged(start, end, size, lower, offsets, method, started + MERGED_SHARE * time_limit_s,
+                                  num_workers, seed)
+    if arena_of(offsets, size) > lower and not method.startswith("merged"):  # perturbed orders: a second
+        found, how = best_heuristic(start, end, size, min(1.0, time_limit_s / 10), seed)
+        if arena_of(found, size) < arena_of(offsets, size):
+            offsets, method = found, how
+    groups = components(start, end)
+    if arena_of(offsets, size) > lower and time_limit_s > 0:
+        found = _skyline_by_group(start, end, size, lower, offsets, groups,
+                                  started + SKYLINE_SHARE * time_limit_s, seed)
         if arena_of(found, size) < arena_of(offsets, size):
             offsets, method = found, "skyline search"
     proved: set[int] = set()  # groups CP-SAT proved optimal
-    groups = components(start, end)
     if arena_of(offsets, size) > lower and time_limit_s > 0 and int((size > 0).sum()) > LNS_ABOVE:
         from fxmem.solve.packing.lns import lns_improve
 
@@ -225,9 +288,28 @@ def pack_buffers(buffers: Sequence[Sequence[int]], *, alignment: int = 64, time_
                 offsets[group] = found
                 method = method if method.startswith("cpsat") else f"cpsat (seeded with {method})"
     arena = arena_of(offsets, size)
-    optimal = arena <= lower or any(g in proved and arena_of(offsets[grp], size[grp]) == arena
-                                    for g, grp in enumerate(groups))
-    status = "optimal" if optimal else "feasible"
+    return offsets, method, arena <= lower or any(g in proved and arena_of(offsets[grp], size[grp]) == arena
+                                                  for g, grp in enumerate(groups))
+
+
+def pack_buffers(buffers: Sequence[Sequence[int]], *, alignment: int = 64, time_limit_s: float = 10.0,
+                 num_workers: int = 2, seed: int = 0) -> Packing:
+    """Offsets for `(start, end, size)` buffers (half-open lifetimes) in one arena, as small as found
+    within about `time_limit_s`: best-fit heuristics first, then the whole pipeline on merged blocks
+    (up to `MERGED_SHARE` of the time, less when merging hardly shrinks the instance), then a capped
+    skyline search with backtracking (`fxmem.solve.packing.search`, up to `SKYLINE_SHARE` of the time),
+    then CP-SAT seeded with the best packing (whole, or window by window above `LNS_ABOVE` buffers), each
+    stopping as soon as the arena equals the lower bound. With `time_limit_s=0`, heuristics only."""
+    started = time.perf_counter()
+    rows = _validate(buffers, alignment, time_limit_s)
+    start, end, raw = rows[:, 0], rows[:, 1], rows[:, 2]
+    units = -(-raw // alignment)  # sizes in alignment units, rounded up
+    scale = int(np.gcd.reduce(units[units > 0])) if (units > 0).any() else 1
+    size = units // scale
+    lower = int(live_profile(start, end, size)[1].max(initial=0))
+    offsets, method, optimal = _pack_units(start, end, size, lower, started + time_limit_s, num_workers, seed)
+    arena = arena_of(offsets, size)
+    status = "optimal" if optimal or arena <= lower else "feasible"
     check_packing(start, end, size, offsets)
     unit = alignment * scale
     return Packing(offsets=tuple(int(o) * unit for o in offsets), arena_bytes=arena * unit,

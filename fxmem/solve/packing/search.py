@@ -65,6 +65,8 @@ class _Skyline:
         height, z, cap = self.height, self.z, self.cap
         k = int(np.argmin(height))
         h = int(height[k])
+        if h >= BIG:
+            return []  # every section closed with buffers left: a dead end
         run = k + int(np.flatnonzero(height[k:] != h)[0])
         chained = self.chains(k, run)
         alts = [(0, i, k, h, k + 1) for i in self.by_start[k]

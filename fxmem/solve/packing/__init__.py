@@ -18,6 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from fxmem.errors import PackingError
+from fxmem.solve.packing.merge import components, merge_blocks
 
 _BIG = np.int64(1) << 60
 LNS_ABOVE = 150  # more sized buffers than this: windows re-solved by CP-SAT, not the whole packing
@@ -79,21 +80,6 @@ def live_profile(start: np.ndarray, end: np.ndarray, size: np.ndarray) -> tuple[
     np.add.at(delta, np.searchsorted(times, start), size)
     np.add.at(delta, np.searchsorted(times, end), -size)
     return times, np.cumsum(delta)[:-1]
-
-
-def components(start: np.ndarray, end: np.ndarray) -> list[np.ndarray]:
-    """Groups of buffers whose lifetimes chain together; groups never overlap in time."""
-    order = np.argsort(start, kind="stable")
-    groups, current, reach = [], [], None
-    for i in order:
-        if current and start[i] >= reach:
-            groups.append(np.asarray(current))
-            current, reach = [], None
-        current.append(i)
-        reach = end[i] if reach is None else max(reach, end[i])
-    if current:
-        groups.append(np.asarray(current))
-    return groups
 
 
 def place(order: Sequence[int], start: np.ndarray, end: np.ndarray, size: np.ndarray, rule: str = "best"
@@ -216,8 +202,6 @@ def _merged(start: np.ndarray, end: np.ndarray, size: np.ndarray, lower: int, of
     """`offsets` bettered group by group (of chained lifetimes) with packings of blocks merged in the ways
     of `MERGE_WAYS` (each goes wrong where another does not), each way given an even part of the time
     left before `deadline`, less when merging hardly shrinks the instance."""
-    from fxmem.solve.packing.merge import merge_blocks
-
     offsets = offsets.copy()
     groups = components(start, end)
     began = time.perf_counter()

@@ -15,7 +15,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fxmem.solve.packing import components
+
+
+def components(start: np.ndarray, end: np.ndarray) -> list[np.ndarray]:
+    """Groups of buffers whose lifetimes chain together; groups never overlap in time."""
+    order = np.argsort(start, kind="stable")
+    groups, current, reach = [], [], None
+    for i in order:
+        if current and start[i] >= reach:
+            groups.append(np.asarray(current))
+            current, reach = [], None
+        current.append(i)
+        reach = end[i] if reach is None else max(reach, end[i])
+    if current:
+        groups.append(np.asarray(current))
+    return groups
 
 
 @dataclass(frozen=True)

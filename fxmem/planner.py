@@ -2,8 +2,10 @@
 
 Reads the joint graph AOTAutograd traces (its `meta["val"]`), costs it, builds the MemoryProblem,
 solves it, and checks each candidate decision by simulating the forward and backward graphs it
-produces; tightens the solver's budget until the simulated peak fits. With offload allowed it plans
-recompute-only too and keeps the faster of the two plans that fit. Applying a given Plan instead
+produces; tightens the solver's budget until the simulated peak fits, then spends the slack the
+solver's model leaves (`fxmem.fitting`). On graphs of more than `LARGE_CANDIDATES` candidates, and
+whenever the solver fits nothing, it also relaxes the least decision found to the budget and keeps the
+cheaper. With offload allowed it plans recompute-only too and keeps the faster of the two plans that fit. Applying a given Plan instead
 checks its fingerprint first. Then runs the step's passes (`STEP_PASSES`: recompute, rng, offload, pool)
 on the graphs for that plan. Keeps the Plan on `self.plan`; writes what the passes write in `meta`.
 """

@@ -46,10 +46,11 @@ def lowest(problem: MemoryProblem, least: frozenset[int], simulate: Simulate, ti
     (`relax.lower_peak`, for `time_limit_s`).
 
     Simulating is the slow part (a forward/backward extraction each), so options are simulated in
-    order of their in-order peak, which tracks the simulation, up to the first one whose in-order peak
-    is not below the lowest simulated so far."""
+    order of their in-order peak, which tracks the simulation, skipping those whose in-order peak is
+    not below the lowest simulated so far (never the remembered one)."""
     key = (replace(problem, budget=0), allocator)
-    options = [least, *([_LOWEST_FOUND[key]] if key in _LOWEST_FOUND else [])]
+    remembered = _LOWEST_FOUND.get(key)
+    options = [least, *([remembered] if remembered is not None else [])]
     layers = find_layers(problem)
     if layers is not None:
         options.append(checkpoint_layers(problem, layers))
@@ -57,8 +58,8 @@ def lowest(problem: MemoryProblem, least: frozenset[int], simulate: Simulate, ti
     options.append(lower_peak(problem, start, time_limit_s))
     best, peaks = None, {rec: phase_peak(problem, rec) for rec in options}
     for rec in sorted(peaks, key=peaks.get):
-        if best is not None and peaks[rec] >= best.timeline.peak:
-            break
+        if best is not None and peaks[rec] >= best.timeline.peak and rec != remembered:
+            continue  # the remembered decision is simulated whatever: a least budget named before stands
         candidate = simulate(rec)
         if best is None or candidate.timeline.peak < best.timeline.peak:
             best = candidate

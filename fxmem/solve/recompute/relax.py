@@ -15,7 +15,14 @@ from __future__ import annotations
 import heapq
 import time
 
-from fxmem.problem import MemoryProblem, is_valid, lifetimes, recompute_cost, repair
+from fxmem.problem import (
+    MemoryProblem,
+    is_valid,
+    lifetimes,
+    recompute_cost,
+    repair,
+    saved_set,
+)
 from fxmem.solve.recompute.layers import Layers
 from fxmem.solve.recompute.phases import in_order_spans, phase_peak, phase_profile
 
@@ -58,7 +65,9 @@ def relax(problem: MemoryProblem, recompute, budget: int, time_limit_s: float,
 
 def lower_peak(problem: MemoryProblem, recompute, time_limit_s: float) -> frozenset[int]:
     """`recompute` plus what lowers the in-order peak: each round recomputes the value alive at the
-    peak step whose recomputation lowers the peak most, until none does or time is up."""
+    peak step whose recomputation (alone, or with its inputs back to values kept already) lowers the
+    peak most, until none does or time is up. With the inputs: a GPT-2 of 124M shape at 8 x 1024
+    tokens, 5450.5 -> 5354.5 MiB in order (the bound is 5186.5)."""
     deadline = time.perf_counter() + time_limit_s
     rec = drop_unmade(problem, frozenset(recompute))
     profile = phase_profile(problem, rec)
@@ -72,15 +81,30 @@ def lower_peak(problem: MemoryProblem, recompute, time_limit_s: float) -> frozen
         for v in sorted(alive, key=lambda v: -size[v]):
             if time.perf_counter() > deadline:
                 break
-            trial = drop_unmade(problem, repair(problem, rec | {v}))
-            if is_valid(problem, trial):
-                trial_profile = phase_profile(problem, trial)
-                if max(trial_profile) < (best[0] if best else peak):
-                    best = (max(trial_profile), trial, trial_profile)
+            for move in (rec | {v}, _cone(problem, rec, v)):
+                trial = drop_unmade(problem, repair(problem, move))
+                if is_valid(problem, trial):
+                    trial_profile = phase_profile(problem, trial)
+                    if max(trial_profile) < (best[0] if best else peak):
+                        best = (max(trial_profile), trial, trial_profile)
         if best is None:
             break
         peak, rec, profile = best
     return rec
+
+
+def _cone(problem: MemoryProblem, rec: frozenset[int], v: int) -> frozenset[int]:
+    """`rec` with `v` and its inputs recomputed, back to values kept already: recomputing `v` alone
+    keeps its inputs instead, which may be alive at the same step (a layer's output recomputed alone
+    keeps a value inside the layer across the loss's backward)."""
+    kept = saved_set(problem, rec)
+    cone, frontier = set(rec) | {v}, [v]
+    while frontier:
+        for j in problem.inputs[frontier.pop()]:
+            if j not in cone and j not in kept and problem.can_recompute[j]:
+                cone.add(j)
+                frontier.append(j)
+    return frozenset(cone)
 
 
 def drop_unmade(problem: MemoryProblem, recompute: frozenset[int]) -> frozenset[int]:

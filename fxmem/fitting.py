@@ -10,7 +10,7 @@ graphs make them one after another (`fxmem.solve.recompute.phases`). So a solver
 budget unused (`spend_slack` keeps what fits it), and its least peak is not the graphs' least
 (`lowest` descends below it). At the size people train, the budget-constrained solvers fail where
 plans exist (a GPT-2 of 124M shape at 8 x 1024 tokens: nothing found below 7.4 GiB in 10 s, least
-5.45 GiB), and relaxing from the least decision is 2-3x cheaper than relaxing from theirs: the
+5.2 GiB simulated), and relaxing from the least decision is 2-3x cheaper than relaxing from theirs: the
 planner offers both and keeps the cheaper (`fxmem.planner`).
 """
 from __future__ import annotations

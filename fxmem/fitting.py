@@ -54,9 +54,10 @@ def lowest(problem: MemoryProblem, least: frozenset[int], simulate: Simulate, ti
     layers = find_layers(problem)
     if layers is not None:
         options.append(checkpoint_layers(problem, layers))
-    start = min(options, key=lambda rec: phase_peak(problem, rec))
-    options.append(lower_peak(problem, start, time_limit_s))
-    best, peaks = None, {rec: phase_peak(problem, rec) for rec in options}
+    peaks = {rec: phase_peak(problem, rec) for rec in options}
+    lowered = lower_peak(problem, min(peaks, key=peaks.get), time_limit_s)
+    peaks.setdefault(lowered, phase_peak(problem, lowered))
+    best = None
     for rec in sorted(peaks, key=peaks.get):
         if best is not None and peaks[rec] >= best.timeline.peak and rec != remembered:
             continue  # the remembered decision is simulated whatever: a least budget named before stands

@@ -4,9 +4,9 @@ Reads the joint graph AOTAutograd traces (its `meta["val"]`), costs it, builds t
 solves it, and checks each candidate decision by simulating the forward and backward graphs it
 produces; tightens the solver's budget until the simulated peak fits, then spends the slack the
 solver's model leaves (`fxmem.fitting`). On graphs of more than `LARGE_CANDIDATES` candidates, and
-whenever the solver fits nothing, it also relaxes the least decision found to the budget and keeps the
-cheaper. With offload allowed it plans recompute-only too and keeps the faster of the two plans that fit. Applying a given Plan instead
-checks its fingerprint first. Then runs the step's passes (`STEP_PASSES`: recompute, rng, offload, pool)
+whenever the solver fits nothing, it also relaxes the least decision found to the budget and keeps
+the cheaper. With offload allowed it plans recompute-only too and keeps the faster of the two plans
+that fit. Applying a given Plan instead checks its fingerprint first. Then runs the step's passes (`STEP_PASSES`: recompute, rng, offload, pool)
 on the graphs for that plan. Keeps the Plan on `self.plan`; writes what the passes write in `meta`.
 """
 from __future__ import annotations
@@ -280,7 +280,7 @@ class Planner:
             solution = make_solution(problem, low.recompute, "feasible", 0, started, "min-peak")
             relaxed = spend_slack(problem, low, solution, budget, simulate, relax_s)
             if fitted is None or recompute_cost(problem, relaxed[0].recompute) < recompute_cost(
-                    problem, fitted[0].recompute) + offload_cost(problem, fitted[0].offloaded):
+                    problem, fitted[0].recompute):  # recompute-only both: offload plans never fall back
                 fitted = relaxed
             return *fitted, _with_margin(low.timeline.peak)
         if fitted is not None:

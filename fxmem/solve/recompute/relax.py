@@ -81,12 +81,13 @@ def lower_peak(problem: MemoryProblem, recompute, time_limit_s: float) -> frozen
         for v in sorted(alive, key=lambda v: -size[v]):
             if time.perf_counter() > deadline:
                 break
-            for move in (rec | {v}, _cone(problem, rec, v)):
+            for move in {rec | {v}, _cone(problem, rec, v)}:  # one move when `v` needs no inputs made
                 trial = drop_unmade(problem, repair(problem, move))
                 if is_valid(problem, trial):
                     trial_profile = phase_profile(problem, trial)
-                    if max(trial_profile) < (best[0] if best else peak):
-                        best = (max(trial_profile), trial, trial_profile)
+                    trial_peak = max(trial_profile)
+                    if trial_peak < (best[0] if best else peak):
+                        best = (trial_peak, trial, trial_profile)
         if best is None:
             break
         peak, rec, profile = best

@@ -16,7 +16,9 @@ from fxmem.budget import budget_bytes, per_device_budgets
 from fxmem.capture import example_args
 from fxmem.cost import DeviceSpec, preset_for
 from fxmem.eager_meter import eager_peak_bytes
+from fxmem.eager_step import eager_peak_within, eager_plan
 from fxmem.engine import OptimizedModule, plan_step, signature_of
+from fxmem.loss_boundary import step_module
 from fxmem.optimizer_state import model_state_bytes
 from fxmem.pipeline import PipelineRequest, plan_pipeline
 from fxmem.placement import PlacedModule, check_devices
@@ -69,7 +71,7 @@ def make_request(model: torch.nn.Module, args: tuple, kwargs: dict, *, budget: i
     `calibrate` None: time the kernels when the model is on a GPU (the device it will train on)."""
     if calibrate is None:
         calibrate = model_device(model).type == "cuda"
-    name = model.display_name if isinstance(model, LossStep) else type(model).__qualname__
+    name = getattr(model, "display_name", type(model).__qualname__)
     return PlanRequest(budget_bytes=plan.budget_bytes if plan is not None else budget, plan=plan, device=device,
                        solver=solver, time_limit_s=time_limit_s, model=name,
                        signature=signature_of(model, args, kwargs), offload=bool(offload), pool=pool,
@@ -82,7 +84,8 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
          target: DeviceSpec | str | None = None, pool: bool | str = False, num_stages: int | None = None,
          schedule: str = "1f1b", n_microbatches: int | None = None, optimizer: str | float | None = None,
          calibrate: bool | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-         example_target: Any = None, keep_outputs: bool = False, eager_meter: bool = False) -> Plan:
+         example_target: Any = None, keep_outputs: bool | None = None, eager_meter: bool = False,
+         model_loss: bool = True) -> Plan:
     """Plan a training step of `model` on `example_inputs` under `budget_gb` without running it
     (fake tensors only). Without a budget the plan keeps everything (the eager step).
     `target` (same as `device`): the device to plan for, which need not be present; with
@@ -99,17 +102,25 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
     `eager_meter`: also measure PyTorch eager's peak for the step (MemTracker on fake tensors, no
     real compute; `Plan.eager_peak_bytes`, a row of the table).
     `loss_fn`: plan the step `loss_fn(model(*example_inputs), example_target)` as a whole (see
-    `fxmem.step_module`); the model's outputs are held after the loss only with `keep_outputs`."""
+    `fxmem.step_module`); the model's outputs are held after the loss only with `keep_outputs`.
+    Without `loss_fn`, a model whose output has a scalar `loss` with a gradient (transformers' `labels=`)
+    is planned with that loss as the step's and its other outputs returned detached, counted until backward
+    ends (`keep_outputs=False`: not returned; `model_loss=False`: every output keeps its gradient); a model with no scalar loss warns that its loss is outside the plan
+    (`fxmem.loss_boundary`). At a budget that covers PyTorch eager's peak where fxmem's keep-all step would
+    hold more, the plan runs eagerly (`fxmem.eager_step`)."""
     args, kwargs = example_args(example_inputs), dict(example_kwargs or {})
     if loss_fn is not None:
-        model, kwargs = LossStep(model, loss_fn, keep_outputs), {**kwargs, "target": example_target}
-    elif example_target is not None or keep_outputs:
-        raise ValueError("example_target= and keep_outputs= go with loss_fn=")
+        model, kwargs = LossStep(model, loss_fn, bool(keep_outputs)), {**kwargs, "target": example_target}
+    elif example_target is not None:
+        raise ValueError("example_target= goes with loss_fn=")
+    model, loss = step_module(model, args, kwargs, model_loss, keep_outputs is not False) if num_stages is None \
+        else (model, "")
     budget = budget_bytes(budget_gb)
     check_pool(pool)
     request = make_request(model, args, kwargs, budget=budget, device=device_spec(target or device, offload, model),
                            solver=solver, time_limit_s=check_time_limit(time_limit_s), offload=offload, pool=pool,
                            calibrate=calibrate, optimizer=None if num_stages is not None else optimizer)
+    request = replace(request, loss=loss)
     if num_stages is not None and (offload or pool):
         raise ValueError("num_stages= plans pipeline stages; offload= and pool= apply to one device's step, "
                          "not yet to pipeline stages")
@@ -118,7 +129,9 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
             return plan_pipeline(model, args, kwargs, request,
                                  PipelineRequest(num_stages, schedule, n_microbatches, optimizer))
         made = plan_step(model, args, kwargs, request)
-        if eager_meter:
+        eager = eager_peak_within(model, args, kwargs, budget, request.resident_bytes)
+        made = (eager_plan(made, eager) if eager is not None else None) or made
+        if eager_meter and not made.runs_eagerly:
             measured = eager_peak_bytes(model, args, kwargs)
             made = replace(made, eager_peak_bytes=None if measured is None else measured + request.resident_bytes)
         return made
@@ -129,7 +142,8 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
              time_limit_s: float = 10.0, offload: bool = False, target: DeviceSpec | str | None = None,
              devices: Sequence[str] | None = None, pool: bool | str = False,
              calibrate: bool | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-             keep_outputs: bool = False, optimizer: Any = None) -> OptimizedModule | PlacedModule:
+             keep_outputs: bool | None = None, optimizer: Any = None, model_loss: bool = True
+             ) -> OptimizedModule | PlacedModule:
     """A module that trains like `model` with its step planned under `budget_gb` (planned lazily at the
     first call, from the real inputs; re-planned per input signature), or running a given `plan`.
     `offload=True` lets the planner copy saved values to host memory (see `plan`); `devices` places
@@ -138,12 +152,14 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
     `pool=True` those whose pooling does not raise the graph's peak, `pool="all"` every one; the
     plans in `.plans` then carry the pool's stats. `calibrate`: see `plan`. With `loss_fn`, the module
     is called as `loss = opt(*inputs, target=y)`, which is `loss_fn(model(*inputs), y)` planned as one
-    step (with `keep_outputs`, `(loss, outputs)`). `optimizer`: its state counts in the budget (see `plan`)."""
+    step (with `keep_outputs`, `(loss, outputs)`). `optimizer`: its state counts in the budget (see `plan`).
+    Without `loss_fn`, a model called with `labels=` (an output with a scalar `loss`) trains as
+    `model(...).loss.backward()` does, planned from its loss, other outputs returned detached
+    (`keep_outputs=False`: the loss alone); `model_loss=False` keeps a gradient on every output (see `plan`). The optimized module's `.plan` is
+    the plan of the input signature it saw last, `.plans` all of them."""
     check_pool(pool)
     if loss_fn is not None:
-        model = LossStep(model, loss_fn, keep_outputs)
-    elif keep_outputs:
-        raise ValueError("keep_outputs= goes with loss_fn=")
+        model = LossStep(model, loss_fn, bool(keep_outputs))
     time_limit_s = check_time_limit(time_limit_s)
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"plan must be an fxmem.Plan (see fxmem.Plan.load), got {type(plan).__name__}")
@@ -163,9 +179,9 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
     budget = budget_bytes(budget_gb)
     spec = device_spec(target or device, offload, model)
 
-    def request_for(args: tuple, kwargs: dict) -> PlanRequest:
-        return make_request(model, args, kwargs, budget=budget, device=spec, solver=solver,
+    def request_for(module: torch.nn.Module, args: tuple, kwargs: dict) -> PlanRequest:
+        return make_request(module, args, kwargs, budget=budget, device=spec, solver=solver,
                             time_limit_s=time_limit_s, offload=offload, pool=pool, plan=plan, calibrate=calibrate,
                             optimizer=optimizer)
 
-    return OptimizedModule(model, request_for)
+    return OptimizedModule(model, request_for, (model_loss, keep_outputs is not False))

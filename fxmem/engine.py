@@ -24,7 +24,9 @@ from torch._dynamo.eval_frame import _set_in_optimized_module
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 
 from fxmem.capture import capture, data_dependent_error, describe_input, flat_graph_inputs, structure_outputs
+from fxmem.eager_step import EagerStep, eager_peak_within, eager_plan
 from fxmem.errors import TraceError
+from fxmem.loss_boundary import step_module
 from fxmem.plan import Plan
 from fxmem.planner import Planner, PlanRequest
 from fxmem.progress import planning
@@ -139,41 +141,78 @@ class OptimizedModule(ModelWrapper):
     """The original model's parameters, buffers and submodules, with a planned training step.
 
     It shares `_parameters`, `_buffers` and `_modules` with the model, so `state_dict` keys are
-    unchanged and an optimizer over either module's parameters trains both. `make_request(args,
-    kwargs)` says what to plan for an input signature seen for the first time."""
+    unchanged and an optimizer over either module's parameters trains both. `make_request(module, args,
+    kwargs)` says what to plan for an input signature seen for the first time; `module` is the model, or
+    the model with its own `loss` output as the step's loss (`fxmem.loss_boundary.step_module`, whose
+    `model_loss` and `keep_outputs` are `loss_options`; None: the model's outputs as they are)."""
 
-    def __init__(self, model: torch.nn.Module, make_request: Callable[[tuple, dict], PlanRequest]):
-        super().__init__(model, _make_request=make_request, _steps={})
+    def __init__(self, model: torch.nn.Module, make_request: Callable[[torch.nn.Module, tuple, dict], PlanRequest],
+                 loss_options: tuple[bool, bool] | None = (True, True)):
+        super().__init__(model, _make_request=make_request, _steps={}, _loss_options=loss_options)
 
     @property
     def plans(self) -> list[Plan]:
         """The plans made or applied so far, one per input signature seen."""
         return [plan for step in self._steps.values() for plan in step.plans]
 
+    @property
+    def plan(self) -> Plan | None:
+        """The plan of the input signature seen last (None before the first training call)."""
+        return self._steps[self._last].plans[-1] if getattr(self, "_last", None) in self._steps else None
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         model = self.fxmem_model
         if not torch.is_grad_enabled():
             return model(*args, **kwargs)
         key = _cache_key(model, args, kwargs)
+        object.__setattr__(self, "_last", key)
         step = self._steps.get(key)
         if step is None:
-            request = self._make_request(args, kwargs)
+            module, loss = step_module(model, args, kwargs, *self._loss_options) if self._loss_options \
+                else (model, "")
+            request = dataclasses.replace(self._make_request(module, args, kwargs), loss=loss)
             log.info("fxmem: planning %s %s", request.model, request.signature)
             with planning(f"planning {request.model} {short_signature(request.signature)}", request.time_limit_s):
+                step, request = _eager_or_planned(module, args, kwargs, request)
+                if step is not None:
+                    self._steps[key] = step
+                    return step(args, kwargs)
                 try:
-                    gm = capture(model, args, kwargs)
-                    step = CompiledStep(model, gm, Planner(captured_as(request, gm)))
-                    out = step(dict(model_state(model)), args, kwargs)  # the first call traces and plans
+                    gm = capture(module, args, kwargs)
+                    step = CompiledStep(module, gm, Planner(captured_as(request, gm)))
+                    out = step(dict(model_state(module)), args, kwargs)  # the first call traces and plans
                 except TraceError as exc:  # not one graph: Dynamo's graphs, under the same budget
                     from fxmem.dynamo_step import DynamoStep
 
-                    step = DynamoStep(model, request, exc)
+                    step = DynamoStep(module, request, exc)
                     out = step(args, kwargs)
             self._steps[key] = step
             return out
         if isinstance(step, CompiledStep):
             return step(dict(model_state(model)), args, kwargs)
         return step(args, kwargs)
+
+
+def _eager_or_planned(module: torch.nn.Module, args: tuple, kwargs: dict, request: PlanRequest
+                      ) -> tuple[EagerStep | None, PlanRequest]:
+    """PyTorch's eager step where the budget covers its peak and fxmem's keep-all step would hold more
+    (`fxmem.eager_step`); otherwise no step and the request to compile, with the plan made here on fake
+    tensors when it was made to compare."""
+    if request.plan is not None:
+        return (EagerStep(module, request.plan) if request.plan.runs_eagerly else None), request
+    eager = eager_peak_within(module, args, kwargs, request.budget_bytes, request.resident_bytes)
+    if eager is None:
+        return None, request
+    try:
+        made = plan_step(module, args, kwargs, request)
+    except TraceError:  # planned through Dynamo's graphs instead
+        return None, request
+    as_eager = eager_plan(made, eager)
+    if as_eager is not None:
+        log.info("fxmem: %s runs eagerly: PyTorch's step peaks at %d bytes, below fxmem's keep-all step's %d",
+                 request.model, eager, made.baseline_peak_bytes)
+        return EagerStep(module, as_eager), request
+    return None, dataclasses.replace(request, plan=made)
 
 
 def _cache_key(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple:

@@ -175,6 +175,8 @@ class Plan:
     optimizer_state_bytes: int = 0  # on the device for the whole step (counted in the peaks and the budget)
     eager_peak_bytes: int | None = None  # PyTorch eager's step, MemTracker on fake tensors (fxmem.eager_meter)
     capture: str = ""  # how the step was captured: one graph (and by which tracer) or Dynamo's graph k of n
+    loss: str = ""  # where the step's loss is: in the plan (loss_fn, the model's own) or outside it
+    runs_eagerly: bool = False  # PyTorch's own step, which fits the budget below fxmem's keep-all (fxmem.eager_step)
     pool: PoolSection | None = None
     pipeline: PipelineSection | None = None
     devices: tuple[DeviceRow, ...] = ()

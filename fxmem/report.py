@@ -105,11 +105,16 @@ def _solver_text(plan: Any) -> str:
 def _step_rows(plan: Any) -> list[list[str]]:
     """Peak, budget, what every plan holds, and the cost of the plan."""
     rows = [["captured as", plan.capture]] if plan.capture else []
+    rows += [["loss", plan.loss]] if plan.loss else []
     rows.append(["eager peak (no recompute)", fmt_bytes(plan.baseline_peak_bytes)])
     if plan.eager_peak_bytes:
         rows.append(["PyTorch eager's peak", f"{fmt_bytes(plan.eager_peak_bytes)} (MemTracker on fake tensors"
                      + (")" if plan.eager_peak_bytes >= plan.baseline_peak_bytes else
                         "; fxmem's keep-all step holds more: a budget here recomputes to meet it)")])
+    if plan.runs_eagerly:
+        rows.append(["runs", f"eagerly: PyTorch's step peaks at {fmt_bytes(plan.predicted_peak_bytes)} (MemTracker on "
+                             f"fake tensors), below fxmem's keep-all step ({fmt_bytes(plan.baseline_peak_bytes)}), "
+                             "and the budget covers it"])
     rows.append(["predicted peak", fmt_bytes(plan.predicted_peak_bytes)])
     rows += [[f"  of which {name}", fmt_bytes(nbytes)] for name, nbytes in plan.breakdown.items()]
     rows.append(["budget", fmt_bytes(plan.budget_bytes)])

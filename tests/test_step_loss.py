@@ -124,7 +124,7 @@ def test_keep_outputs_returns_them_and_bad_loss_is_clear():
     assert loss.requires_grad and not logits.requires_grad  # kept to read, so backward gets no tangent for them
     with pytest.raises(ValueError, match="one element"):
         fxmem.optimize(copy.deepcopy(model), budget_gb=1.0, loss_fn=lambda out, t: out)(x, target=y)
-    with pytest.raises(ValueError, match="go with loss_fn"):
+    with pytest.raises(ValueError, match="goes with loss_fn"):
         fxmem.plan(model, (x,), example_target=y)
 
 

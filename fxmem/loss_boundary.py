@@ -1,0 +1,162 @@
+"""Where the training step's loss is, for a model planned without `loss_fn`.
+
+Reads the model's outputs from one forward on fake tensors (nothing real is computed; the model's
+buffers are untouched). A model that returns its scalar loss is planned as it is; one whose output has
+a differentiable scalar `loss` field (transformers' `labels=`, a dict, a dataclass) is planned as
+`OwnLossStep`, which returns the same output with every other field detached, so backward starts at the
+loss and the logits get no zero gradient. Any other model leaves its loss outside the plan: one
+`UserWarning` per model names `loss_fn=` and the bytes that leave the step. Writes nothing else.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fxmem.errors import fmt_bytes
+from fxmem.wrapper import ModelWrapper
+
+log = logging.getLogger("fxmem")
+
+LOSS_FN = "loss_fn (in the plan)"
+RETURNED = "the model's output (in the plan)"
+OUTSIDE = "outside the plan"
+_warned: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """`kind`: "returned" (the output is the loss), "field" (a scalar `loss` field with a gradient),
+    "outside" (outputs with gradients and no scalar loss) or "unknown" (could not run on fake tensors).
+    `outside_bytes`: bytes of the outputs with gradients that leave the step, for "outside";
+    `other_bytes`: bytes of the outputs beside the `loss` field, for "field"."""
+
+    kind: str
+    outside_bytes: int = 0
+    other_bytes: int = 0
+
+    def text(self, keep_outputs: bool = True) -> str:
+        """The plan table's "loss" row."""
+        if self.kind == "returned":
+            return RETURNED
+        if self.kind == "field" and keep_outputs:
+            return (f"the model's `loss` output; other outputs returned detached ({fmt_bytes(self.other_bytes)}, "
+                    "held to the step's end; keep_outputs=False drops them)")
+        if self.kind == "field":
+            return "the model's `loss` output; other outputs not returned (keep_outputs=False)"
+        if self.kind == "outside":
+            return (f"{OUTSIDE}: {fmt_bytes(self.outside_bytes)} of outputs with gradients leave the step; "
+                    "loss_fn= plans the loss")
+        return ""
+
+
+def _is_loss(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.numel() == 1 and value.requires_grad \
+        and value.is_floating_point()
+
+
+def _loss_field(out: Any) -> Any:
+    """The output's `loss` field (a mapping's key or an attribute), or None."""
+    if isinstance(out, dict):
+        return out.get("loss")
+    return getattr(out, "loss", None) if dataclasses.is_dataclass(out) else None
+
+
+def classify(out: Any) -> Boundary:
+    """Where the loss is, from what the model returned."""
+    if _is_loss(out):
+        return Boundary("returned")
+    loss = _loss_field(out)
+    if _is_loss(loss):
+        return Boundary("field", other_bytes=_bytes(out, lambda t: t.untyped_storage() is not loss.untyped_storage()))
+    outside = _bytes(out, lambda t: t.requires_grad)
+    return Boundary("outside", outside) if outside else Boundary("returned")
+
+
+def _bytes(out: Any, counted: Any) -> int:
+    """Bytes of the distinct storages of `out`'s tensors for which `counted(tensor)` holds."""
+    storages = {}
+    for leaf in pytree.tree_leaves(out):
+        if isinstance(leaf, torch.Tensor) and counted(leaf):
+            storages[id(leaf.untyped_storage())] = leaf.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def find_boundary(model: torch.nn.Module, args: tuple, kwargs: dict) -> Boundary:
+    """Run `model` once on fake stand-ins for its parameters, buffers and inputs and classify its output."""
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x  # noqa: E731
+            state = {name: fake(p.detach()).requires_grad_(p.requires_grad) for name, p in model.named_parameters()}
+            state |= {name: fake(b) for name, b in model.named_buffers()}
+            with torch.enable_grad():
+                out = torch.func.functional_call(model, state, pytree.tree_map(fake, tuple(args)),
+                                                 pytree.tree_map(fake, dict(kwargs)))
+            return classify(out)
+    except Exception as exc:  # the planner will say what fails; here only the loss's place is unknown
+        log.info("fxmem: the model's outputs could not be read on fake tensors: %s", exc)
+        return Boundary("unknown")
+
+
+def detached_except_loss(out: Any, keep_outputs: bool = True) -> Any:
+    """`out` with its `loss` field as it is and every other tensor detached (None without `keep_outputs`)."""
+    detach = (lambda t: t.detach() if isinstance(t, torch.Tensor) else t) if keep_outputs else (  # noqa: E731
+        lambda t: None)
+    if isinstance(out, dict):
+        fields = {k: v if k == "loss" else pytree.tree_map(detach, v) for k, v in out.items()}
+        if type(out) is dict:
+            return fields
+        for key, value in fields.items():  # a ModelOutput keeps its type, keys and attributes
+            out[key] = value
+        return out
+    return dataclasses.replace(out, **{f.name: pytree.tree_map(detach, getattr(out, f.name))
+                                       for f in dataclasses.fields(out) if f.name != "loss" and f.init})
+
+
+class OwnLossStep(ModelWrapper):
+    """The model, its output's `loss` the step's only output with a gradient; the other outputs are
+    returned detached with `keep_outputs`, else left out (None)."""
+
+    def __init__(self, model: torch.nn.Module, keep_outputs: bool = True):
+        super().__init__(model, fxmem_keep_outputs=bool(keep_outputs))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return detached_except_loss(self.fxmem_model(*args, **kwargs), self.fxmem_keep_outputs)
+
+    @property
+    def display_name(self) -> str:
+        return getattr(self.fxmem_model, "display_name", type(self.fxmem_model).__qualname__)
+
+
+def step_module(model: torch.nn.Module, args: tuple, kwargs: dict, model_loss: bool = True,
+                keep_outputs: bool = True) -> tuple[torch.nn.Module, str]:
+    """The module to plan for a call `model(*args, **kwargs)` and the plan table's "loss" row. With
+    `model_loss` a `loss` field becomes the step's loss (logged once), the other outputs returned
+    detached with `keep_outputs`; outputs with gradients and no scalar loss warn once per model."""
+    if getattr(model, "fxmem_loss_fn", None) is not None:
+        return model, LOSS_FN
+    boundary = find_boundary(model, args, kwargs)
+    if boundary.kind == "field" and model_loss:
+        log.info("fxmem: planning %s with its `loss` output as the step's loss; its other outputs are "
+                 "returned detached (model_loss=False to backpropagate through them)", type(model).__qualname__)
+        return OwnLossStep(model, keep_outputs), boundary.text(keep_outputs)
+    if not keep_outputs and boundary.kind != "unknown":
+        raise ValueError("keep_outputs=False goes with loss_fn= or a model whose output has a scalar `loss` "
+                         "(model_loss=True)")
+    if boundary.kind == "field":
+        return model, "the model's outputs, every one with a gradient (model_loss=False)"
+    if boundary.kind == "outside" and model not in _warned:
+        _warned.add(model)
+        warnings.warn(
+            f"fxmem: {type(model).__qualname__} returns no scalar loss, so its loss is computed outside the plan: "
+            f"{fmt_bytes(boundary.outside_bytes)} of outputs with gradients leave the step after forward, and what "
+            "the loss makes of them (and their gradients) is not in the budget. Pass loss_fn=(outputs, target) -> "
+            "loss and call the module with target= to plan the loss too.", UserWarning, stacklevel=3)
+    return model, boundary.text()

@@ -23,6 +23,7 @@ from fxmem.cost import DEVICE_PRESETS, HOST_LINKS, CostTable, DeviceSpec, estima
 from fxmem.errors import InfeasibleBudgetError, fmt_bytes
 from fxmem.fitting import lowest, spend_slack
 from fxmem.kernel_timer import KernelTimer
+from fxmem.margin import margin_for
 from fxmem.memory import (
     EXACT,
     AllocatorModel,
@@ -60,16 +61,8 @@ LOWER_SHARE = 0.2  # of the time limit, for the in-order descent below the searc
 # its share of the time limit.
 LARGE_CANDIDATES, SOLVER_SHARE = 200, 0.5
 log = logging.getLogger("fxmem")
-# Plans aim a little below the budget: the simulator sizes storages from fake tensors, and a few
-# kernels allocate more than that (CPU mse_loss returns a scalar whose storage is the size of its
-# input), plus autograd's seed gradient for the loss. 0.5% or 64 KiB, whichever is larger.
-SAFETY_FRACTION, SAFETY_MIN_BYTES = 0.005, 64 * 1024
 # Values smaller than this are never offloaded: a copy's fixed cost outweighs the bytes it frees.
 OFFLOAD_MIN_BYTES = 1 << 20
-
-
-def safety_bytes(budget: int) -> int:
-    return max(SAFETY_MIN_BYTES, int(budget * SAFETY_FRACTION))
 
 
 @dataclass(frozen=True)
@@ -91,6 +84,7 @@ class PlanRequest:
     resident_bytes: int = 0  # on the device for the whole step besides the graphs: the optimizer's state
     held_bytes: tuple[int, int] = (0, 0)  # what the step's other graphs hold during this graph's forward, backward
     capture: str = ""  # how the graph was captured, for the plan's table
+    loss: str = ""  # where the step's loss is (fxmem.loss_boundary), for the plan's table
     replay_random: bool = True  # random ops may be recomputed with their generator state (passes/rng.py)
 
 
@@ -112,6 +106,7 @@ class Planner:
         self._seconds: dict[str, float] = {}  # per joint node, for timing offload copies
         self._views: frozenset[str] = frozenset()
         self.allocator = EXACT  # what the target device's allocator holds beside the tensors
+        self.margin = margin_for(request.device.name)  # how far below the budget plans aim (fxmem.margin)
 
     def __call__(self, joint: torch.fx.GraphModule, _joint_inputs, *, num_fwd_outputs: int, **_kw
                  ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
@@ -198,7 +193,7 @@ class Planner:
         eager = self._candidate(joint, lowered, eager_decision(lowered.problem))
         start = time.perf_counter()
         chosen, solution, min_budget = eager, None, None
-        if budget is not None and eager.timeline.peak + safety_bytes(budget) > budget:
+        if budget is not None and eager.timeline.peak + self.margin.bytes_for(budget) > budget:
             try:
                 chosen, solution, min_budget = self._fit_both(joint, lowered, split, budget)
             except InfeasibleBudgetError:
@@ -224,6 +219,7 @@ class Planner:
             solver_status=solution.status if solution else "optimal",
             solver_gap=solution.gap if solution else 0.0, solve_time_s=solve_time,
             device=request.device.name, model=request.model, signature=request.signature, capture=request.capture,
+            loss=request.loss,
             fingerprint=fingerprint, torch_version=torch.__version__,
             breakdown=_breakdown(split, self.allocator),
             nodes=_node_rows(lowered, costs, set(saved), set(recomputed), set(offloaded)),
@@ -261,7 +257,7 @@ class Planner:
         least budget when it was searched), None when nothing fits and not `fallback`; raises
         `InfeasibleBudgetError` naming the least budget found otherwise."""
         request, problem = self.request, lowered.problem
-        margin = safety_bytes(budget)
+        margin = self.margin.bytes_for(budget)
         budget -= margin
         simulate = lambda rec, offloaded=frozenset(): self._candidate(joint, lowered, rec, offloaded)
         relax_s = max(RELAX_MIN_S, request.time_limit_s * RELAX_SHARE)
@@ -282,15 +278,16 @@ class Planner:
             if fitted is None or recompute_cost(problem, relaxed[0].recompute) < recompute_cost(
                     problem, fitted[0].recompute):  # recompute-only both: offload plans never fall back
                 fitted = relaxed
-            return *fitted, _with_margin(low.timeline.peak)
+            return *fitted, self.margin.least_budget(low.timeline.peak)
         if fitted is not None:
             return *fitted, None
         breakdown = _breakdown(split, self.allocator)
         breakdown["smallest activation set"] = max(0, low.timeline.peak - sum(breakdown.values()))
-        breakdown["planning margin"] = _with_margin(low.timeline.peak) - low.timeline.peak
+        breakdown[f"planning margin ({self.margin.describe()})"] = \
+            self.margin.least_budget(low.timeline.peak) - low.timeline.peak
         bound = min(least.lower_bound, low.timeline.peak)
-        raise InfeasibleBudgetError(int(budget + margin), _with_margin(low.timeline.peak), breakdown,
-                                    lower_bound_bytes=_with_margin(bound), proven=least.proven)
+        raise InfeasibleBudgetError(int(budget + margin), self.margin.least_budget(low.timeline.peak), breakdown,
+                                    lower_bound_bytes=self.margin.least_budget(bound), proven=least.proven)
 
     def _solver_fit(self, problem, budget: int, margin: int, time_limit_s: float, simulate
                     ) -> tuple[_Candidate, Solution] | None:
@@ -311,11 +308,6 @@ class Planner:
                 return candidate, solution
             target -= candidate.timeline.peak - budget
         return None
-
-
-def _with_margin(peak: int) -> int:
-    """The least budget whose safety margin still leaves `peak` room."""
-    return max(peak + SAFETY_MIN_BYTES, int(peak / (1 - SAFETY_FRACTION)) + 1)
 
 
 def _saved_names(lowered: Lowered, recompute: frozenset[int]) -> list[str]:

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.utils._pytree as pytree
+from torch._dynamo.eval_frame import _set_in_optimized_module
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -34,7 +35,9 @@ def eager_peak_bytes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[s
             tracker = MemTracker()
             tracker.track_external(*state.values(), *[x for x in pytree.tree_leaves((fargs, fkwargs))
                                                        if isinstance(x, torch.Tensor)])
-            with tracker:
+            # module hooks step aside (as for compiled modules), so a meter the caller runs around this
+            # call keeps its module hierarchy; the peak per device needs none
+            with tracker, _set_in_optimized_module():
                 loss_of(torch.func.functional_call(model, state, fargs, fkwargs)).backward()
             return max(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
     except Exception as exc:  # a meter that cannot run says so and leaves the row out

@@ -108,13 +108,19 @@ def trace_on_fakes(step: CompiledStep, model: torch.nn.Module, args: Sequence[An
 
 def plan_step(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any], request: PlanRequest) -> Plan:
     """Plan (or, with `request.plan`, check) a training step of `model` on fake tensors: nothing runs."""
+    return planned_graph(model, args, kwargs, request)[0]
+
+
+def planned_graph(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any], request: PlanRequest
+                  ) -> tuple[Plan, torch.fx.GraphModule]:
+    """`plan_step`'s plan and the graph it captured (to compile with that plan without capturing again)."""
     if not any(p.requires_grad for _, p in model.named_parameters()):
         raise ValueError("no parameter requires grad: there is no training step to plan")
     gm = capture(model, args, kwargs)
     planner = Planner(captured_as(request, gm))
     trace_on_fakes(CompiledStep(model, gm, planner), model, args, kwargs)
     assert planner.plan is not None
-    return planner.plan
+    return planner.plan, gm
 
 
 def captured_as(request: PlanRequest, gm: torch.fx.GraphModule) -> PlanRequest:
@@ -173,12 +179,12 @@ class OptimizedModule(ModelWrapper):
             request = dataclasses.replace(self._make_request(module, args, kwargs), loss=loss)
             log.info("fxmem: planning %s %s", request.model, request.signature)
             with planning(f"planning {request.model} {short_signature(request.signature)}", request.time_limit_s):
-                step, request = _eager_or_planned(module, args, kwargs, request)
+                step, request, gm = _eager_or_planned(module, args, kwargs, request)
                 if step is not None:
                     self._steps[key] = step
                     return step(args, kwargs)
                 try:
-                    gm = capture(module, args, kwargs)
+                    gm = gm if gm is not None else capture(module, args, kwargs)
                     step = CompiledStep(module, gm, Planner(captured_as(request, gm)))
                     out = step(dict(model_state(module)), args, kwargs)  # the first call traces and plans
                 except TraceError as exc:  # not one graph: Dynamo's graphs, under the same budget
@@ -194,25 +200,25 @@ class OptimizedModule(ModelWrapper):
 
 
 def _eager_or_planned(module: torch.nn.Module, args: tuple, kwargs: dict, request: PlanRequest
-                      ) -> tuple[EagerStep | None, PlanRequest]:
+                      ) -> tuple[EagerStep | None, PlanRequest, torch.fx.GraphModule | None]:
     """PyTorch's eager step where the budget covers its peak and fxmem's keep-all step would hold more
     (`fxmem.eager_step`); otherwise no step and the request to compile, with the plan made here on fake
-    tensors when it was made to compare."""
+    tensors (and the graph it captured) when it was made to compare."""
     if request.plan is not None:
-        return (EagerStep(module, request.plan) if request.plan.runs_eagerly else None), request
+        return (EagerStep(module, request.plan) if request.plan.runs_eagerly else None), request, None
     eager = eager_peak_within(module, args, kwargs, request.budget_bytes, request.resident_bytes)
     if eager is None:
-        return None, request
+        return None, request, None
     try:
-        made = plan_step(module, args, kwargs, request)
+        made, gm = planned_graph(module, args, kwargs, request)
     except TraceError:  # planned through Dynamo's graphs instead
-        return None, request
+        return None, request, None
     as_eager = eager_plan(made, eager)
     if as_eager is not None:
         log.info("fxmem: %s runs eagerly: PyTorch's step peaks at %d bytes, below fxmem's keep-all step's %d",
                  request.model, eager, made.baseline_peak_bytes)
-        return EagerStep(module, as_eager), request
-    return None, dataclasses.replace(request, plan=made)
+        return EagerStep(module, as_eager), request, None
+    return None, dataclasses.replace(request, plan=made), gm
 
 
 def _cache_key(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple:

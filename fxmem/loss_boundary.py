@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch._dynamo.eval_frame import _set_in_optimized_module
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxmem.errors import fmt_bytes
@@ -96,7 +97,7 @@ def find_boundary(model: torch.nn.Module, args: tuple, kwargs: dict) -> Boundary
             fake = lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x  # noqa: E731
             state = {name: fake(p.detach()).requires_grad_(p.requires_grad) for name, p in model.named_parameters()}
             state |= {name: fake(b) for name, b in model.named_buffers()}
-            with torch.enable_grad():
+            with torch.enable_grad(), _set_in_optimized_module():  # a meter around the caller keeps its modules
                 out = torch.func.functional_call(model, state, pytree.tree_map(fake, tuple(args)),
                                                  pytree.tree_map(fake, dict(kwargs)))
             return classify(out)

@@ -175,6 +175,8 @@ class Plan:
     optimizer_state_bytes: int = 0  # on the device for the whole step (counted in the peaks and the budget)
     eager_peak_bytes: int | None = None  # PyTorch eager's step, MemTracker on fake tensors (fxmem.eager_meter)
     capture: str = ""  # how the step was captured: one graph (and by which tracer) or Dynamo's graph k of n
+    fallback_ops: tuple[str, ...] = ()  # ops with no FLOP formula, priced by memory traffic (no FLOPs counted)
+    priced_as: dict[str, str] = field(default_factory=dict)  # graph op -> the target GPU's kernel priced for it
     pool: PoolSection | None = None
     pipeline: PipelineSection | None = None
     devices: tuple[DeviceRow, ...] = ()
@@ -310,7 +312,7 @@ def _upgrade(data: dict[str, Any]) -> dict[str, Any]:
 def _typed(data: dict[str, Any]) -> dict[str, Any]:
     """JSON values as the Plan's field types: tuples for sequences, rows and sections as dataclasses."""
     data = dict(data)
-    for key in ("recompute", "saved", "offload"):
+    for key in ("recompute", "saved", "offload", "fallback_ops"):
         data[key] = tuple(data.get(key, ()))
     data["nodes"] = tuple(NodeRow(**row) for row in data.get("nodes", ()))
     data["devices"] = tuple(DeviceRow(**{**row, "modules": tuple(row["modules"])}) for row in data.get("devices", ()))

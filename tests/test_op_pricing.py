@@ -5,11 +5,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 import fxmem
 from fxmem.cost import DEVICE_PRESETS, estimate
 from fxmem.memory import tensors_of
+from fxmem.op_pricing import ATTENTION_BACKWARD, ATTENTION_FORWARD, FLOP_FORMULAS, MEMORY_BOUND
 from fxmem.plan import Plan
 from fxmem.schedule import split_joint
 from tests.conftest import joint_of
@@ -42,6 +43,17 @@ def _attention_nodes(joint):
 def _bytes(node) -> int:
     ins = sum(t.numel() * t.element_size() for n in node.all_input_nodes for t in tensors_of(n))
     return ins + sum(t.numel() * t.element_size() for t in tensors_of(node))
+
+
+def test_every_attention_backend_has_pytorchs_formula():
+    registry = FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS).flop_registry
+    q, k, v, grad = torch.empty(2, 8, 64, 16), torch.empty(2, 2, 48, 16), torch.empty(2, 2, 48, 24), torch.empty(2, 8, 64, 24)
+    for name in ATTENTION_FORWARD:
+        assert registry[getattr(torch.ops.aten, name)](q, k, v, out_val=grad) == sdpa_flop_count(q.shape, k.shape, v.shape)
+    for name in ATTENTION_BACKWARD:
+        assert registry[getattr(torch.ops.aten, name)](grad, q, k, v, out_val=(q, k, v)) == \
+            sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape)
+    assert all(hasattr(torch.ops.aten, name) for name in MEMORY_BOUND), "names of aten ops"
 
 
 def test_attention_flops_are_pytorchs_and_recomputing_it_costs_time():

@@ -58,11 +58,11 @@ HOST_LINKS: Mapping[str, HostLink] = MappingProxyType({
 @dataclass(frozen=True)
 class DeviceSpec:
     """What a device can do: matmul FLOP/s (16-bit and 32-bit), memory bytes/s, per-op overhead,
-    and its link to host memory (for offloading saved values); `gpu`: a CUDA device (the attention
-    kernels it runs are priced where the graph was traced on the CPU); and what its allocator holds beyond
+    and its link to host memory (for offloading saved values); and what its allocator holds beyond
     the tensors (`fxmem.memory.AllocatorModel`): every block rounded up to `block_bytes`, one BLAS
     workspace of `blas_workspace_bytes` per graph that runs a matmul (forward; autograd's backward
-    thread), and a scratch of its output's size for each op in `scratch_ops` (aten op names)."""
+    thread), and a scratch of its output's size for each op in `scratch_ops` (aten op names).
+    `gpu`: a CUDA device, whose attention kernels are priced where the graph was traced on the CPU."""
 
     name: str
     flops_per_s: float
@@ -71,10 +71,10 @@ class DeviceSpec:
     op_overhead_s: float
     memory_bytes: int | None = None
     host_link: HostLink | None = None
-    gpu: bool = False
     block_bytes: int = 1
     blas_workspace_bytes: int = 0
     scratch_ops: tuple[str, ...] = ()
+    gpu: bool = False
 
     def with_link(self, link: "HostLink | str") -> "DeviceSpec":
         """This device with another host link (a `HostLink` or a preset name such as "nvlink-c2c")."""

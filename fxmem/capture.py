@@ -7,9 +7,10 @@ Writes `meta["val"]` (a FakeTensor) on every node and `gm.meta["fxmem"]["capture
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
-import random
 import os
+import random
 import re
 from typing import Any, Sequence
 
@@ -256,11 +257,29 @@ def _explain(exc: Exception, first: Exception | None = None) -> TraceError:
         str(exc))
 
 
+@functools.lru_cache(maxsize=1)
+def _library_dirs() -> tuple[str, ...]:
+    """Real paths (with a trailing separator) of the folders torch and fxmem's packages are
+    loaded from: fxmem, and fxmem.passes and fxmem.models, which live in folders of their own."""
+    import fxmem
+    import fxmem.models
+    import fxmem.passes
+
+    folders = [d for package in (torch, fxmem, fxmem.passes, fxmem.models) for d in package.__path__]
+    return tuple(sorted({os.path.join(os.path.realpath(d), "") for d in folders}))
+
+
+def is_library_file(filename: str) -> bool:
+    """True for a source file of torch or of fxmem itself, by where the packages are loaded from
+    (not by folder names: a user's own code may live in a folder called fxmem or torch)."""
+    return os.path.realpath(filename).startswith(_library_dirs())
+
+
 def _innermost_user_frame(exc: BaseException) -> str:
     tb, last = exc.__traceback__, None
     while tb is not None:
         filename = tb.tb_frame.f_code.co_filename
-        if "/torch/" not in filename and "/fxmem/" not in filename:
+        if not is_library_file(filename):
             last = f" at {filename}:{tb.tb_lineno} in {tb.tb_frame.f_code.co_name}"
         tb = tb.tb_next
     return last or ""
@@ -275,7 +294,7 @@ def data_dependent_error(exc: Exception, gm: torch.fx.GraphModule) -> TraceError
     node = next((n for n in gm.graph.nodes if node_name and n.name == node_name.group(1)), None)
     where = f"module {module_path(node)}" if node is not None and module_path(node) else ""
     frames = [f for f in re.findall(r'File "([^"]+)", line (\d+), in \w+\n\s*(.+)', text)
-              if not any(part in f[0] for part in ("/torch/", "/fxmem/"))]
+              if not is_library_file(f[0])]
     line = f" at {os.path.basename(frames[-1][0])}:{frames[-1][1]} ({frames[-1][2].strip()})" if frames else ""
     where = where or "the model's own forward"
     return TraceError(f"{op} has an output whose shape depends on the data, in {where}{line}; "

@@ -1,9 +1,12 @@
 """Cost model: per node of a joint forward/backward graph, bytes, FLOPs and estimated seconds.
 
 Reads `meta["val"]` (FakeTensors) and `meta["nn_module_stack"]`; FLOPs come from
-`torch.utils.flop_counter.FlopCounterMode` run on the fake values, time from a `DeviceSpec`
-roofline (compute or memory traffic, whichever is slower, plus a per-op overhead).
-Returns a frozen `CostTable`; writes `meta["fxmem"]["cost"]` on each node.
+`torch.utils.flop_counter.FlopCounterMode` run on the fake values (with `fxmem.op_pricing`'s
+formulas for the attention kernels torch has none for), time from a `DeviceSpec` roofline (compute
+or memory traffic, whichever is slower, plus a per-op overhead). Ops with no FLOP formula that are
+not memory-bound by nature are marked as priced by memory traffic alone; a GPU target prices the
+attention kernel the GPU runs where the graph holds the CPU's. Returns a frozen `CostTable`;
+writes `meta["fxmem"]["cost"]` on each node.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from torch._guards import detect_fake_mode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from fxmem.memory import storage_bytes, storage_key, tensors_of
+from fxmem.op_pricing import FLOP_FORMULAS, gpu_attention_kernel, needs_fallback
 
 
 @dataclass(frozen=True)
@@ -57,7 +61,8 @@ class DeviceSpec:
     and its link to host memory (for offloading saved values); and what its allocator holds beyond
     the tensors (`fxmem.memory.AllocatorModel`): every block rounded up to `block_bytes`, one BLAS
     workspace of `blas_workspace_bytes` per graph that runs a matmul (forward; autograd's backward
-    thread), and a scratch of its output's size for each op in `scratch_ops` (aten op names)."""
+    thread), and a scratch of its output's size for each op in `scratch_ops` (aten op names).
+    `gpu`: a CUDA device, whose attention kernels are priced where the graph was traced on the CPU."""
 
     name: str
     flops_per_s: float
@@ -69,6 +74,7 @@ class DeviceSpec:
     block_bytes: int = 1
     blas_workspace_bytes: int = 0
     scratch_ops: tuple[str, ...] = ()
+    gpu: bool = False
 
     def with_link(self, link: "HostLink | str") -> "DeviceSpec":
         """This device with another host link (a `HostLink` or a preset name such as "nvlink-c2c")."""
@@ -108,7 +114,7 @@ MIB = 2**20
 # handle and stream (CUBLAS_WORKSPACE_CONFIG overrides): 32 MiB on sm90 and newer, ":4096:2:16:8"
 # (8.125 MiB) before; the allocator traces of one H100 step show two (forward and backward thread).
 # Softmax backward on CUDA allocates a scratch of its output's size for the op's duration.
-CUDA_ALLOCATOR = dict(block_bytes=512, scratch_ops=("_softmax_backward_data",))
+CUDA_DEVICE = dict(gpu=True, block_bytes=512, scratch_ops=("_softmax_backward_data",))
 SM80_WORKSPACE, SM90_WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8, 32 * MIB
 
 DEVICE_PRESETS: Mapping[str, DeviceSpec] = MappingProxyType({
@@ -117,17 +123,17 @@ DEVICE_PRESETS: Mapping[str, DeviceSpec] = MappingProxyType({
     # Dense tensor-core peaks (no sparsity) and HBM bandwidth from the vendors' data sheets;
     # host links as the SXM/PCIe boards ship (H100/H200 SXM: PCIe Gen5; GH200 is h100 + nvlink-c2c).
     "a100": DeviceSpec("a100", 312e12, 156e12, 2039 * GB, 5e-6, 80 * 2**30, HOST_LINKS["pcie4"],
-        blas_workspace_bytes=SM80_WORKSPACE, **CUDA_ALLOCATOR),
+        blas_workspace_bytes=SM80_WORKSPACE, **CUDA_DEVICE),
     "h100": DeviceSpec("h100", 989e12, 494e12, 3350 * GB, 4e-6, 80 * 2**30, HOST_LINKS["pcie5"],
-        blas_workspace_bytes=SM90_WORKSPACE, **CUDA_ALLOCATOR),
+        blas_workspace_bytes=SM90_WORKSPACE, **CUDA_DEVICE),
     "h200": DeviceSpec("h200", 989e12, 494e12, 4800 * GB, 4e-6, 141 * 2**30, HOST_LINKS["pcie5"],
-        blas_workspace_bytes=SM90_WORKSPACE, **CUDA_ALLOCATOR),
+        blas_workspace_bytes=SM90_WORKSPACE, **CUDA_DEVICE),
     "gh200": DeviceSpec("gh200", 989e12, 494e12, 4000 * GB, 4e-6, 96 * 2**30, HOST_LINKS["nvlink-c2c"],
-        blas_workspace_bytes=SM90_WORKSPACE, **CUDA_ALLOCATOR),
+        blas_workspace_bytes=SM90_WORKSPACE, **CUDA_DEVICE),
     "l4": DeviceSpec("l4", 121e12, 60e12, 300 * GB, 5e-6, 24 * 2**30, HOST_LINKS["pcie4"],
-        blas_workspace_bytes=SM80_WORKSPACE, **CUDA_ALLOCATOR),
+        blas_workspace_bytes=SM80_WORKSPACE, **CUDA_DEVICE),
     "rtx4090": DeviceSpec("rtx4090", 165e12, 82e12, 1008 * GB, 5e-6, 24 * 2**30, HOST_LINKS["pcie4"],
-           blas_workspace_bytes=SM80_WORKSPACE, **CUDA_ALLOCATOR),
+           blas_workspace_bytes=SM80_WORKSPACE, **CUDA_DEVICE),
 })
 
 
@@ -154,7 +160,9 @@ def preset_for(device: torch.device | str) -> DeviceSpec:
 
 @dataclass(frozen=True)
 class NodeCost:
-    """One node's costs. `saved_bytes`: storage bytes it keeps alive for backward when saved (0 for views)."""
+    """One node's costs. `saved_bytes`: storage bytes it keeps alive for backward when saved (0 for views).
+    `fallback`: an op with no FLOP formula, priced by the memory traffic it causes alone; `kernel`: the
+    GPU kernel it is priced as, where the graph holds the CPU's attention kernel ("" otherwise)."""
 
     name: str
     op: str
@@ -164,6 +172,8 @@ class NodeCost:
     flops: int
     seconds: float
     is_view: bool
+    fallback: bool = False
+    kernel: str = ""
 
 
 @dataclass(frozen=True)
@@ -179,6 +189,14 @@ class CostTable:
 
     def total_seconds(self) -> float:
         return sum(c.seconds for c in self.nodes.values())
+
+    def fallback_ops(self) -> tuple[str, ...]:
+        """The ops (by name) priced by memory traffic for want of a FLOP formula."""
+        return tuple(sorted({c.op for c in self.nodes.values() if c.fallback}))
+
+    def kernels(self) -> dict[str, str]:
+        """Graph op -> the GPU kernel priced in its place."""
+        return {c.op: c.kernel for c in self.nodes.values() if c.kernel}
 
 
 def module_path(node: torch.fx.Node) -> str:
@@ -213,12 +231,12 @@ def is_view(node: torch.fx.Node) -> bool:
 def _count_flops(node: torch.fx.Node) -> int:
     target = node.target
     packet = getattr(target, "overloadpacket", None)
-    if packet not in flop_registry:
+    if packet not in flop_registry and packet not in FLOP_FORMULAS:
         return 0
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
     fake_mode = detect_fake_mode(tuple(t for t in torch.utils._pytree.tree_leaves((args, kwargs))
                                        if isinstance(t, torch.Tensor)))
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS)
     with fake_mode or torch.device("meta"), counter:
         target(*args, **kwargs)
     return int(counter.get_total_flops())
@@ -230,7 +248,8 @@ def estimate(gm: torch.fx.GraphModule, device: DeviceSpec | None = None,
     """Cost every call_function node of `gm`; `backward` names the joint graph's backward nodes,
     so a forward node read by one of them reports the bytes eager autograd would save for it.
     `timer(node)` gives a node's measured seconds (`fxmem.kernel_timer`), where it can; the
-    device's roofline prices the rest."""
+    device's roofline prices the rest. On a GPU `device`, an attention node on CPU tensors is priced
+    as the kernel the GPU runs for it (same FLOPs by PyTorch's formula; the math path's score traffic)."""
     device = device or DEVICE_PRESETS["cpu"]
     table: dict[str, NodeCost] = {}
     for node in gm.graph.nodes:
@@ -239,16 +258,20 @@ def estimate(gm: torch.fx.GraphModule, device: DeviceSpec | None = None,
         outs = tensors_of(node)
         view = is_view(node)
         out_bytes = 0 if view else sum({storage_key(t): storage_bytes(t) for t in outs}.values())
-        if view or node.target is operator.getitem:
-            flops, seconds = 0, 0.0
-        else:
+        flops, seconds, fallback, kernel = 0, 0.0, False, None
+        if not (view or node.target is operator.getitem):
             in_bytes = sum(t.numel() * t.element_size() for n in node.all_input_nodes for t in tensors_of(n))
             flops = _count_flops(node)
-            measured = timer(node) if timer is not None else None
+            fallback = in_bytes + out_bytes > 0 and needs_fallback(node)
+            if device.gpu and outs and outs[0].device.type == "cpu":
+                kernel = gpu_attention_kernel(node)
+            extra = kernel.extra_bytes if kernel is not None else 0
+            measured = timer(node) if timer is not None and kernel is None else None
             seconds = measured if measured is not None else \
-                device.seconds(flops, in_bytes + out_bytes, outs[0].dtype if outs else None)
+                device.seconds(flops, in_bytes + out_bytes + extra, outs[0].dtype if outs else None)
         saved = out_bytes if any(u in backward for u in node.users) and node not in backward else 0
-        cost = NodeCost(node.name, _op_name(node), module_path(node), out_bytes, saved, flops, seconds, view)
+        cost = NodeCost(node.name, _op_name(node), module_path(node), out_bytes, saved, flops, seconds, view,
+                        fallback, kernel.name if kernel is not None else "")
         node.meta.setdefault("fxmem", {})["cost"] = cost
         table[node.name] = cost
     return CostTable(device, MappingProxyType(table))

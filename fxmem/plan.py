@@ -177,6 +177,8 @@ class Plan:
     capture: str = ""  # how the step was captured: one graph (and by which tracer) or Dynamo's graph k of n
     loss: str = ""  # where the step's loss is: in the plan (loss_fn, the model's own) or outside it
     runs_eagerly: bool = False  # PyTorch's own step, which fits the budget below fxmem's keep-all (fxmem.eager_step)
+    fallback_ops: tuple[str, ...] = ()  # ops with no FLOP formula, priced by memory traffic (no FLOPs counted)
+    priced_as: dict[str, str] = field(default_factory=dict)  # graph op -> the target GPU's kernel priced for it
     pool: PoolSection | None = None
     pipeline: PipelineSection | None = None
     devices: tuple[DeviceRow, ...] = ()
@@ -312,7 +314,7 @@ def _upgrade(data: dict[str, Any]) -> dict[str, Any]:
 def _typed(data: dict[str, Any]) -> dict[str, Any]:
     """JSON values as the Plan's field types: tuples for sequences, rows and sections as dataclasses."""
     data = dict(data)
-    for key in ("recompute", "saved", "offload"):
+    for key in ("recompute", "saved", "offload", "fallback_ops"):
         data[key] = tuple(data.get(key, ()))
     data["nodes"] = tuple(NodeRow(**row) for row in data.get("nodes", ()))
     data["devices"] = tuple(DeviceRow(**{**row, "modules": tuple(row["modules"])}) for row in data.get("devices", ()))

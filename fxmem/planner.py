@@ -227,6 +227,7 @@ class Planner:
             offloaded_bytes=sum(lowered.problem.size[i] for i in chosen.offloaded),
             host_link=request.device.host_link.name if request.offload and request.device.host_link else "",
             timing=_timing(request.device, timer), graph_device=_graph_device(joint).type,
+            fallback_ops=costs.fallback_ops(), priced_as=costs.kernels(),
             timelines={"eager": eager.timeline, "plan": chosen.timeline})
 
     def _fit_both(self, joint, lowered: Lowered, split: JointSplit, budget: int):

@@ -138,9 +138,14 @@ def _step_rows(plan: Any) -> list[list[str]]:
                                        f"{plan.host_link or 'the host link'}"],
                  ["exposed transfer time", f"{plan.exposed_transfer_s * 1e3:,.3f} ms (copy waits and launches; "
                                            "in the step time)"]]
+    if plan.fallback_ops:
+        rows.append(["priced by memory traffic", f"{', '.join(plan.fallback_ops)} (no FLOP formula: timed by the "
+                                                 "bytes they move, their FLOPs not counted)"])
     if plan.graph_device == "cpu" and plan.device not in ("cpu", ""):
+        kernels = "; ".join(f"{op} priced as {kernel}" for op, kernel in sorted(plan.priced_as.items()))
         rows.append(["graph", f"traced on CPU for {plan.device}: where CUDA runs other kernels (attention backends, "
-                              "autocast casts) the GPU's graph differs; fxmem.check_plan on the GPU says so"])
+                              "autocast casts) the GPU's graph differs; fxmem.check_plan on the GPU says so"
+                              + (f"; {kernels}" if kernels else "")])
     rows.append(["solver", _solver_text(plan)])
     if plan.pool is not None:
         for graph, stats in (("forward", plan.pool.forward), ("backward", plan.pool.backward)):

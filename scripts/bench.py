@@ -38,6 +38,7 @@ from baselines import aot_eager_counting, full_ac, hf_gpt2, sqrt_n, torch_budget
 from fxmem import models  # noqa: E402
 from fxmem.backend import plans_for  # noqa: E402
 from fxmem.measure import measure_peak_bytes, training_step  # noqa: E402
+from fxmem.op_pricing import FLOP_FORMULAS  # noqa: E402  (attention kernels torch's counter lacks)
 
 QUICK = ["mlp-tiny", "gpt-tiny", "resnet-tiny", "unet-tiny"]
 FULL = ["gpt-small", "hf-gpt2", "resnet18", "unet-small", "mlp-small"]
@@ -72,7 +73,7 @@ def _step(module, inputs):
 
 
 def _step_flops(module, inputs) -> int:
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as counter:
         _step(module, inputs)
     return counter.get_total_flops()
 

@@ -119,3 +119,42 @@ def test_optimize_runs_a_data_dependent_shape_through_dynamo():
     torch.testing.assert_close(loss, expected, atol=0, rtol=0)
     torch.testing.assert_close(model.proj.weight.grad, reference.proj.weight.grad, atol=0, rtol=0)
     torch._dynamo.reset()
+
+
+def test_library_files_are_matched_by_package_folder_not_by_folder_name(tmp_path):
+    import importlib
+    import os
+
+    import fxmem.models.gpt
+    import fxmem.passes.recompute
+    from fxmem.capture import is_library_file
+
+    capture_module = importlib.import_module("fxmem.capture")
+
+    user_file = tmp_path / "fxmem" / "torch" / "user_code.py"
+    user_file.parent.mkdir(parents=True)
+    user_file.write_text("x = 1\n")
+    assert not is_library_file(str(user_file))
+    for module in (capture_module, fxmem.passes.recompute, fxmem.models.gpt, torch.nn.functional):
+        assert is_library_file(module.__file__), module.__name__
+    linked = tmp_path / "linked_capture.py"  # a link to fxmem's file is fxmem's file
+    os.symlink(capture_module.__file__, linked)
+    assert is_library_file(str(linked))
+
+
+def test_data_dependent_shape_names_user_line_in_a_folder_named_fxmem(tmp_path):
+    import importlib.util
+
+    from fxmem.errors import TraceError
+
+    source = tmp_path / "fxmem" / "user_code.py"
+    source.parent.mkdir()
+    source.write_text("import torch\n\n\nclass Masked(torch.nn.Module):\n    def __init__(self):\n"
+                      "        super().__init__()\n        self.proj = torch.nn.Linear(8, 8)\n\n"
+                      "    def forward(self, x):\n        h = self.proj(x)\n        return h[h > 0].sum()\n")
+    spec = importlib.util.spec_from_file_location("user_code", source)
+    user_code = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(user_code)
+    with pytest.raises(TraceError) as info:
+        fxmem.plan(user_code.Masked(), (torch.randn(4, 8),), budget_gb=1.0)
+    assert "user_code.py:11 (return h[h > 0].sum())" in str(info.value)

@@ -109,3 +109,13 @@ def test_fingerprint_is_the_same_in_another_process():
 
     here = graph_fingerprint(capture(models.from_name("gpt-tiny"), models.example_inputs("gpt-tiny")))
     assert runs == {here}
+
+
+def test_plan_files_from_before_fallback_pricing_still_load(gpt_plan):
+    _, _, plan = gpt_plan
+    data = json.loads(plan.to_json())
+    assert data["fallback_ops"] == [] and data["priced_as"] == {}  # the zoo's GPT has a formula or traffic for every op
+    older = {k: v for k, v in data.items() if k not in ("fallback_ops", "priced_as")}
+    loaded = Plan.from_json(json.dumps(older))
+    assert loaded == plan and loaded.fallback_ops == () and loaded.priced_as == {}
+    assert "priced by memory traffic" not in loaded.table()

@@ -7,7 +7,9 @@ to `torch.compile(model, backend="fxmem")` with the same budget: Dynamo splits f
 runs the Python between the graphs eagerly, and the compile backend (`fxmem.backend`) plans every
 graph of the step under the one budget; a first forward without autograd (`fxmem.ledger.survey_step`)
 tells the ledger which graph uses which parameters, so each graph's plan counts the gradients
-later graphs produce before its backward. The graphs run with AOTAutograd's eager kernels
+later graphs produce before its backward, and a second (`fxmem.graph_budget.probe_step`) what each
+graph needs at least, so a budget below what the graphs need together is refused before any runs
+and each graph keeps no more for backward than leaves the later graphs room. The graphs run with AOTAutograd's eager kernels
 (`inner="aot_eager"`), so training matches eager as the whole-graph path does.
 """
 from __future__ import annotations
@@ -19,7 +21,9 @@ from typing import Any
 import torch
 
 from fxmem.backend import ledger_for, open_ledger, plans_for
+from fxmem.budget import budget_bytes
 from fxmem.errors import GIB, FxmemError, TraceError
+from fxmem.graph_budget import probe_step, shares_for
 from fxmem.ledger import survey_step
 from fxmem.plan import Plan
 from fxmem.planner import PlanRequest
@@ -49,7 +53,10 @@ class DynamoStep:
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         ledger = ledger_for(self.options)
         if ledger is None and torch.is_grad_enabled():  # the first step: learn which graphs use which parameters
-            ledger = open_ledger(self.options, self.model, survey_step(self.model, args, kwargs), self.name)
+            survey = survey_step(self.model, args, kwargs)  # and what each graph needs at least
+            probes = probe_step(self.model, args, kwargs, self.options, survey, self.name)
+            shares = shares_for(probes, budget_bytes(self.options["budget_gb"]))
+            ledger = open_ledger(self.options, self.model, survey, self.name, shares)
         before = [r.calls for r in ledger.records] if ledger is not None else []
         try:
             out = self.compiled(*args, **kwargs)

@@ -36,7 +36,7 @@ class _JointRecorder(Planner):
         return super().__call__(joint, inputs, **kwargs)
 
 
-def _eager_plan_and_joint(model, args, kwargs, request: PlanRequest):
+def eager_plan_and_joint(model, args, kwargs, request: PlanRequest):
     """The whole model's eager plan (one microbatch) and the joint graph it was made from."""
     recorder = _JointRecorder(dataclasses.replace(request, budget_bytes=None))
     gm = capture(model, args, kwargs)
@@ -54,7 +54,7 @@ def plan_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict, plan_reques
         raise ValueError("no parameter requires grad: there is no training step to plan")
     _input_specs(args)
     budget_bytes, time_limit_s, solver = plan_request.budget_bytes, plan_request.time_limit_s, plan_request.solver
-    base, joint, gm = _eager_plan_and_joint(model, args, kwargs, plan_request)
+    base, joint, gm = eager_plan_and_joint(model, args, kwargs, plan_request)
     if request.schedule not in ("1f1b", "gpipe"):
         raise ValueError(f"schedule must be '1f1b' or 'gpipe', got {request.schedule!r}")
     units = tag_units(gm, model)

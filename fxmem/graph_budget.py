@@ -1,10 +1,9 @@
 """One budget shared by the graphs Dynamo splits a training step into, so the least named is met.
 
-Reads the user's model, the step's inputs and its survey (`fxmem.ledger.survey_step`); runs forward
-once more through Dynamo (autograd on, no backward; buffers and random states put back), where the
-backend traces each graph's joint graph and prices it with what the rest of the step holds that no
-plan decides (other graphs' parameters, the tensors passed between graphs, later graphs' gradients):
-its keep-all peak and saved bytes and, when keeping everything does not fit, its least peak and the
+Reads the planners of a probe of the step (`fxmem.dynamo_step.probe_step`: forward once more through
+Dynamo, autograd on, no backward), which trace each graph's joint graph and price it with what the
+rest of the step holds that no plan decides (other graphs' parameters, the tensors passed between
+graphs, later graphs' gradients): its keep-all peak and saved bytes and, when keeping everything does not fit, its least peak and the
 bytes its least plan keeps for backward. Returns the graphs at their least (`GraphShare`), which the
 ledger uses to cap what each graph may keep for backward so that every later graph still fits its
 least plan; refuses a budget below the least the graphs need together. Writes nothing.
@@ -17,13 +16,9 @@ least plan does only while every later graph's least plan still fits on top (`sa
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
-import torch
-
-from fxmem.capture import untouched
 from fxmem.errors import InfeasibleBudgetError, fmt_bytes, gb_at_least
 from fxmem.ledger import GraphRecord, Ledger
 from fxmem.plan import Plan, graph_fingerprint
@@ -72,27 +67,6 @@ class ProbePlanner(Planner):
             return GraphShare(self.record.index, self.request.capture, plan.predicted_peak_bytes, plan.saved_bytes,
                               plan, min(bound, plan.predicted_peak_bytes))
         raise RuntimeError(f"fxmem: {self.request.capture} was refused at the least budget its planner named")
-
-
-def probe_step(model: torch.nn.Module, args: Sequence[Any], kwargs: dict, options: dict, survey: list,
-               model_name: str) -> list[ProbePlanner]:
-    """Run one forward through Dynamo with the fxmem backend's requests, keep-all plans only: the
-    planner of each graph, in the order the step runs them."""
-    from fxmem.backend import compile_graph
-
-    ledger = Ledger(0, model=model, survey=survey, model_name=model_name)
-    planners: list[ProbePlanner] = []
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
-        def planner_for(request, record):
-            planners.append(ProbePlanner(dataclasses.replace(request, budget_bytes=None), ledger, record))
-            return planners[-1]
-        return compile_graph(gm, example_inputs, options, ledger, planner_for, count_saved=False)
-
-    with untouched(model):
-        out = torch.compile(model, backend=backend)(*args, **kwargs)
-    del out
-    return [p for p in planners if p.plan is not None]  # graphs without a backward are not planned
 
 
 def need(peaks: Sequence[int], saved: Sequence[int]) -> tuple[int, int]:

@@ -30,7 +30,6 @@ from fxmem.planner import PlanRequest
 from fxmem.stage_costs import unit_costs
 
 DETACH = (torch.ops.aten.detach.default, torch.Tensor.detach, "detach")
-MAX_PLACEMENTS = 64  # placements whose regions are planned before giving up on faster ones
 
 
 @dataclass(frozen=True)
@@ -41,6 +40,7 @@ class Units:
     units: tuple[Unit, ...]
     seconds: tuple[float, ...]  # forward + backward
     param_bytes: tuple[int, ...]  # parameters a unit is the first to read
+    floor_bytes: tuple[int, ...]  # those parameters and the gradients of those that train: a region holds them
     grad_inputs: frozenset[str]  # captured-graph nodes whose value requires grad in the step
 
     @property
@@ -65,17 +65,18 @@ def price_units(model: torch.nn.Module, args: tuple, kwargs: dict, eager: Plan, 
     """`gm` (the captured step) cut into units, priced from the keep-all plan `eager` and its `joint` graph."""
     units = tag_units(gm, model)
     fwd, bwd, _ = unit_costs(joint, gm, len(units), eager.saved_bytes_by_node())
-    first_reader: dict[int, tuple[int, int]] = {}  # parameter -> (first unit reading it, bytes)
+    first_reader: dict[int, tuple[int, int, bool]] = {}  # parameter -> (first unit reading it, bytes, trains)
     for node in gm.graph.nodes:
         value = getattr_path(gm, node.target) if node.op == "get_attr" else None
         readers = [u.meta["fxmem"]["unit"] for u in node.users if "unit" in u.meta.get("fxmem", {})]
         if isinstance(value, torch.nn.Parameter) and readers:
-            unit = min(readers + [first_reader.get(id(value), (len(units), 0))[0]])
-            first_reader[id(value)] = (unit, value.numel() * value.element_size())
-    params = [0] * len(units)
-    for unit, nbytes in first_reader.values():
+            unit = min(readers + [first_reader.get(id(value), (len(units),))[0]])
+            first_reader[id(value)] = (unit, value.numel() * value.element_size(), value.requires_grad)
+    params, floor = [0] * len(units), [0] * len(units)
+    for unit, nbytes, trains in first_reader.values():
         params[unit] += nbytes
-    return Units(gm, tuple(units), tuple(f + b for f, b in zip(fwd, bwd)), tuple(params),
+        floor[unit] += nbytes * (2 if trains else 1)
+    return Units(gm, tuple(units), tuple(f + b for f, b in zip(fwd, bwd)), tuple(params), tuple(floor),
                  frozenset(_requiring_grad(gm, args, kwargs)))
 
 
@@ -166,14 +167,10 @@ def place_and_plan(units: Units, planner: RegionPlanner, devices: Sequence[str],
     n = len(units.units)
     seconds = lambda bounds: max(sum(units.seconds[bounds[k]:bounds[k + 1]]) for k in range(len(devices)))  # noqa: E731
     candidates = [fixed] if fixed is not None else sorted(placements(n, len(devices)), key=seconds)
-    floor = lambda k, bounds: 2 * sum(units.param_bytes[bounds[k]:bounds[k + 1]])  # noqa: E731
-    tried = 0
-    for bounds in candidates:
+    floor = lambda k, bounds: sum(units.floor_bytes[bounds[k]:bounds[k + 1]])  # noqa: E731
+    for bounds in candidates:  # each region is planned once per budget, however many placements share it
         if any(b is not None and floor(k, bounds) > b for k, b in enumerate(budgets)):
             continue  # its parameters and their gradients alone exceed a device's budget
-        tried += 1
-        if tried > MAX_PLACEMENTS:
-            break
         regions = []
         for k, device in enumerate(devices):
             region = Region(str(device), bounds[k], bounds[k + 1], budgets[k])

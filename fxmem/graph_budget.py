@@ -29,7 +29,7 @@ from fxmem.planner import Planner, _with_margin, safety_bytes
 class GraphShare:
     """One graph of the step at its least: its simulated peak with what the rest of the step holds but
     earlier graphs' saved values (`peak`), the bytes it keeps for backward (`saved`), the plan itself,
-    and the least any plan of it could need (`lower_bound`)."""
+    and the least budget any plan of it could need, planning margin included (`lower_bound`)."""
 
     index: int
     where: str
@@ -56,7 +56,7 @@ class ProbePlanner(Planner):
 
     def least(self) -> GraphShare:
         """This graph's least plan: the least budget the planner names, then the plan made for it."""
-        budget = 1
+        budget, bound = 1, 0
         for _ in range(3):
             try:
                 plan = self._plan_within(self.joint, self.fingerprint, budget)
@@ -65,7 +65,7 @@ class ProbePlanner(Planner):
                 budget = max(budget + 1, exc.min_budget_bytes)
                 continue
             return GraphShare(self.record.index, self.request.capture, plan.predicted_peak_bytes, plan.saved_bytes,
-                              plan, min(bound, plan.predicted_peak_bytes))
+                              plan, min(bound, budget))
         raise RuntimeError(f"fxmem: {self.request.capture} was refused at the least budget its planner named")
 
 
@@ -99,7 +99,7 @@ def refusal(budget: int, shares: Sequence[GraphShare], total: int, k: int) -> In
     """The step's least found, graph by graph: says it is found graph by graph, not proven."""
     least = _with_margin(total)
     kept = sum(s.saved for s in shares[:k])
-    bound = _with_margin(max(s.lower_bound for s in shares))
+    bound = max(s.lower_bound for s in shares)
     error = InfeasibleBudgetError(budget, least, {f"{shares[k].where} at its least": shares[k].peak,
                                                   "kept for backward by the graphs before it": kept,
                                                   "planning margin": least - total},

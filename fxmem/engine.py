@@ -106,7 +106,8 @@ def trace_on_fakes(step: CompiledStep, model: torch.nn.Module, args: Sequence[An
 
 def plan_step(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any], request: PlanRequest) -> Plan:
     """Plan (or, with `request.plan`, check) a training step of `model` on fake tensors: nothing runs."""
-    if not any(p.requires_grad for _, p in model.named_parameters()):
+    if not any(p.requires_grad for _, p in model.named_parameters()) and not any(
+            isinstance(x, torch.Tensor) and x.requires_grad for x in pytree.tree_leaves((tuple(args), kwargs))):
         raise ValueError("no parameter requires grad: there is no training step to plan")
     gm = capture(model, args, kwargs)
     planner = Planner(captured_as(request, gm))

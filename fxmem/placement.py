@@ -158,9 +158,12 @@ class PlacedModule(ModelWrapper):
         object.__setattr__(self, "plan", _placed_plan(eager, units, regions))
 
 
-def _runner(region: Region) -> OptimizedModule:
-    """The region's module running its plan (the engine's compiled step)."""
+def _runner(region: Region) -> torch.nn.Module:
+    """The region's module running its plan (the engine's compiled step); as captured where nothing
+    in it takes a gradient."""
     module, plan = region.module, region.plan
+    if plan is None:
+        return module
     return OptimizedModule(module, lambda args, kwargs: PlanRequest(
         budget_bytes=plan.budget_bytes, plan=plan, model=type(module).__qualname__,
         signature=signature_of(module, args, kwargs), device=DeviceSpec.from_name(plan.device)

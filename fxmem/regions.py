@@ -123,7 +123,7 @@ class RegionPlanner:
     def __init__(self, units: Units, args: tuple, kwargs: dict, request: PlanRequest):
         self.units, self.args, self.kwargs, self.request = units, args, kwargs, request
         self.cuts = crossing(units.gm, len(units.units))
-        self.done: dict[tuple[int, int, int | None], Plan | InfeasibleBudgetError] = {}
+        self.done: dict[tuple[int, int, int | None], Plan | InfeasibleBudgetError | None] = {}
         self.modules: dict[tuple[int, int], torch.fx.GraphModule] = {}
 
     def module(self, first: int, last: int) -> torch.fx.GraphModule:
@@ -145,17 +145,21 @@ class RegionPlanner:
             values.append(t.requires_grad_(node.name in self.units.grad_inputs))
         return values
 
-    def fit(self, first: int, last: int, budget: int | None) -> Plan | InfeasibleBudgetError:
+    def fit(self, first: int, last: int, budget: int | None) -> Plan | InfeasibleBudgetError | None:
         key = (first, last, budget)
         if key not in self.done:
             module, inputs = self.module(first, last), self.inputs(first)
             request = PlanRequest(budget_bytes=budget, device=self.request.device, solver=self.request.solver,
                                   time_limit_s=self.request.time_limit_s, model=type(module).__qualname__,
                                   signature=signature_of(module, inputs, {}))
-            try:
-                self.done[key] = plan_step(module, inputs, {}, request)
-            except InfeasibleBudgetError as exc:
-                self.done[key] = exc
+            if not any(p.requires_grad for p in module.parameters()) and not any(
+                    isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
+                self.done[key] = None  # nothing here takes a gradient: it runs its forward as captured
+            else:
+                try:
+                    self.done[key] = plan_step(module, inputs, {}, request)
+                except InfeasibleBudgetError as exc:
+                    self.done[key] = exc
         return self.done[key]
 
 
@@ -198,7 +202,7 @@ def least_refusal(units: Units, planner: RegionPlanner, devices: Sequence[str], 
             if first == last:
                 continue
             made = planner.fit(first, last, 1)  # its least, as the planner names it
-            need = made.min_budget_bytes if isinstance(made, InfeasibleBudgetError) else made.budget_bytes
+            need = made.min_budget_bytes if isinstance(made, InfeasibleBudgetError) else 0
             if need > worst:
                 worst, why = need, dict(made.breakdown) if isinstance(made, InfeasibleBudgetError) else {}
             if best is not None and worst >= best:

@@ -211,7 +211,8 @@ def least_refusal(units: Units, planner: RegionPlanner, devices: Sequence[str], 
             best, best_bounds, parts = worst, bounds, why
     least = max(best or 0, refused + 1)
     labels = units.labels
-    split = "; ".join(f"{d}: {labels[best_bounds[k]]} .. {labels[best_bounds[k + 1] - 1]}"
+    span = lambda a, b: labels[a] if b - a == 1 else f"{labels[a]} .. {labels[b - 1]}"  # noqa: E731
+    split = "; ".join(f"{d}: {span(best_bounds[k], best_bounds[k + 1])}"
                       for k, d in enumerate(devices) if best_bounds[k] < best_bounds[k + 1])
     error = InfeasibleBudgetError(refused, least, parts)
     error.args = (f"budget {fmt_bytes(refused)} per device is below the least budget found for {len(devices)} devices, "

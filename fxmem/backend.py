@@ -16,6 +16,7 @@ Reads nothing from disk; writes the plans to `plan_out` (one file per graph: `<s
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -28,7 +29,8 @@ import torch
 from fxmem.budget import budget_bytes
 from fxmem.capture import describe_input
 from fxmem.cost import DeviceSpec, preset_for
-from fxmem.errors import GIB, TraceError
+from fxmem.errors import GIB, InfeasibleBudgetError, TraceError
+from fxmem.graph_budget import saved_cap
 from fxmem.ledger import GraphRecord, Ledger
 from fxmem.plan import Plan
 from fxmem.planner import Planner, PlanRequest
@@ -39,17 +41,18 @@ OPTIONS = ("budget_gb", "inner", "time_limit_s", "plan_out", "verbose", "device"
 INNERS = ("inductor", "aot_eager")
 
 
+CAP_TRIES, CAP_STEP_BYTES = 4, 4096  # plans at tightened budgets before a graph keeps its least plan
 _LEDGERS: dict[int, tuple[dict, Ledger]] = {}
 _LOCK = threading.Lock()
 
 
 def open_ledger(options: dict, model: torch.nn.Module | None = None, survey: list | None = None,
-                model_name: str = "") -> Ledger:
+                model_name: str = "", shares: list | None = None) -> Ledger:
     """The ledger for the torch.compile call made with `options`, told the model and the step's survey
     (`fxmem.ledger.survey_step`), so other graphs' parameters and later graphs' gradients are known."""
     with _LOCK:
         ledger = Ledger(budget_bytes(_validate(options)["budget_gb"]), model=model, survey=survey,
-                        model_name=model_name)
+                        model_name=model_name, shares=shares)
         _LEDGERS[id(options)] = (options, ledger)
     return ledger
 
@@ -113,6 +116,34 @@ class _RecordingPlanner(Planner):
         super().__init__(request)
         self.ledger, self.record, self.options = ledger, record, options
 
+    def _make_plan(self, joint, fingerprint):
+        """The plan for the budget; where the step's graphs share it (`fxmem.graph_budget`), one that
+        keeps no more for backward than leaves every later graph room for its least plan (the budget
+        tightened until it does, else this graph's least plan)."""
+        shares = self.ledger.shares
+        index = self.record.index
+        if not shares or index >= len(shares) or shares[index].plan.fingerprint != fingerprint:
+            return super()._make_plan(joint, fingerprint)
+        budget, earlier = self.request.budget_bytes, self.ledger.earlier_saved(self.record)
+        cap = saved_cap(shares, index, budget, earlier)
+        asked, target = self.request, budget
+        try:
+            for _ in range(CAP_TRIES):
+                self.request = dataclasses.replace(asked, budget_bytes=target)
+                try:
+                    plan = super()._make_plan(joint, fingerprint)
+                except InfeasibleBudgetError:
+                    break
+                if cap is None or plan.saved_bytes <= cap:
+                    return dataclasses.replace(plan, budget_bytes=budget)
+                target -= max(plan.saved_bytes - cap, CAP_STEP_BYTES)
+        finally:
+            self.request = asked
+        least = shares[index]
+        log.info("fxmem: %s keeps its least plan, so that the graphs after it fit", asked.capture)
+        return dataclasses.replace(least.plan, budget_bytes=budget, predicted_peak_bytes=least.peak + earlier,
+                                   capture=asked.capture)
+
     def __call__(self, joint, joint_inputs, **kwargs):
         fw, bw = super().__call__(joint, joint_inputs, **kwargs)
         plan = self.plan
@@ -169,26 +200,36 @@ def fxmem_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], optio
     graph's tensor inputs live on, e.g. "h100" for a model on an H100), solver (default "auto").
     """
     options = _validate(options)
-    _refuse_dynamic_shapes(example_inputs)
     budget = budget_bytes(options["budget_gb"])
-    inner = options.get("inner") or ("inductor" if has_cxx_compiler() else "aot_eager")
     with _LOCK:
         entry = _LEDGERS.get(id(options))
         if entry is None or entry[0] is not options:
             entry = (options, Ledger(budget))
             _LEDGERS[id(options)] = entry
         ledger = entry[1]
+    return compile_graph(gm, example_inputs, options, ledger,
+                         lambda request, record: _RecordingPlanner(request, ledger, record, options))
+
+
+def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: dict, ledger: Ledger,
+                  planner_for: Callable[[PlanRequest, GraphRecord], Planner], count_saved: bool = True
+                  ) -> Callable[..., Any]:
+    """Graph `gm` of the step `ledger` keeps, compiled with the planner `planner_for(request, record)`
+    makes; `count_saved` False leaves earlier graphs' saved values out of what the rest holds."""
+    _refuse_dynamic_shapes(example_inputs)
+    budget = budget_bytes(options["budget_gb"])
+    inner = options.get("inner") or ("inductor" if has_cxx_compiler() else "aot_eager")
     frame = _frame_id()
     index = len(ledger.records)
     record = GraphRecord.of(index, frame, budget, example_inputs, _sources(gm))
-    record.held = ledger.held_for(record)
+    record.held = ledger.held_for(record, count_saved)
     device = options.get("device") or _input_device(example_inputs)
     request = PlanRequest(budget_bytes=budget, held_bytes=record.held, replay_random=inner != "inductor",
                           device=device if isinstance(device, DeviceSpec) else DeviceSpec.from_name(device),
                           solver=options.get("solver", "auto"), time_limit_s=float(options.get("time_limit_s", 10.0)),
                           model=ledger.model_name or f"dynamo graph {index}", capture=_where(gm, index, ledger),
                           signature=f"({', '.join(map(describe_input, example_inputs))})")
-    planner = _RecordingPlanner(request, ledger, record, options)
+    planner = planner_for(request, record)
     if inner == "inductor":
         try:
             return _counted(_compile_inductor(gm, example_inputs, planner), record)

@@ -7,24 +7,49 @@ to `torch.compile(model, backend="fxmem")` with the same budget: Dynamo splits f
 runs the Python between the graphs eagerly, and the compile backend (`fxmem.backend`) plans every
 graph of the step under the one budget; a first forward without autograd (`fxmem.ledger.survey_step`)
 tells the ledger which graph uses which parameters, so each graph's plan counts the gradients
-later graphs produce before its backward. The graphs run with AOTAutograd's eager kernels
+later graphs produce before its backward, and a second (`probe_step`) what each
+graph needs at least, so a budget below what the graphs need together is refused before any runs
+and each graph keeps no more for backward than leaves the later graphs room. The graphs run with AOTAutograd's eager kernels
 (`inner="aot_eager"`), so training matches eager as the whole-graph path does.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
-from fxmem.backend import ledger_for, open_ledger, plans_for
+from fxmem.backend import compile_graph, ledger_for, open_ledger, plans_for
+from fxmem.budget import budget_bytes
+from fxmem.capture import untouched
 from fxmem.errors import GIB, FxmemError, TraceError
-from fxmem.ledger import survey_step
+from fxmem.graph_budget import ProbePlanner, shares_for
+from fxmem.ledger import Ledger, survey_step
 from fxmem.plan import Plan
 from fxmem.planner import PlanRequest
 
 log = logging.getLogger("fxmem")
+
+
+def probe_step(model: torch.nn.Module, args: Sequence[Any], kwargs: dict, options: dict, survey: list,
+               model_name: str) -> list[ProbePlanner]:
+    """Run one forward through Dynamo with the fxmem backend's requests, keep-all plans only: the
+    planner of each graph, in the order the step runs them."""
+    ledger = Ledger(0, model=model, survey=survey, model_name=model_name)
+    planners: list[ProbePlanner] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        def planner_for(request, record):
+            planners.append(ProbePlanner(dataclasses.replace(request, budget_bytes=None), ledger, record))
+            return planners[-1]
+        return compile_graph(gm, example_inputs, options, ledger, planner_for, count_saved=False)
+
+    with untouched(model):
+        out = torch.compile(model, backend=backend)(*args, **kwargs)
+    del out
+    return [p for p in planners if p.plan is not None]  # graphs without a backward are not planned
 
 
 class DynamoStep:
@@ -49,7 +74,10 @@ class DynamoStep:
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         ledger = ledger_for(self.options)
         if ledger is None and torch.is_grad_enabled():  # the first step: learn which graphs use which parameters
-            ledger = open_ledger(self.options, self.model, survey_step(self.model, args, kwargs), self.name)
+            survey = survey_step(self.model, args, kwargs)  # and what each graph needs at least
+            probes = probe_step(self.model, args, kwargs, self.options, survey, self.name)
+            shares = shares_for(probes, budget_bytes(self.options["budget_gb"]))
+            ledger = open_ledger(self.options, self.model, survey, self.name, shares)
         before = [r.calls for r in ledger.records] if ledger is not None else []
         try:
             out = self.compiled(*args, **kwargs)

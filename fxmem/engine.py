@@ -114,7 +114,8 @@ def plan_step(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any
 def planned_graph(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any], request: PlanRequest
                   ) -> tuple[Plan, torch.fx.GraphModule]:
     """`plan_step`'s plan and the graph it captured (to compile with that plan without capturing again)."""
-    if not any(p.requires_grad for _, p in model.named_parameters()):
+    if not any(p.requires_grad for _, p in model.named_parameters()) and not any(
+            isinstance(x, torch.Tensor) and x.requires_grad for x in pytree.tree_leaves((tuple(args), kwargs))):
         raise ValueError("no parameter requires grad: there is no training step to plan")
     gm = capture(model, args, kwargs)
     planner = Planner(captured_as(request, gm))

@@ -112,6 +112,7 @@ class Ledger:
     survey: list[Storages] | None = None  # per graph call of one step, in order: the parameters it uses
     model_name: str = ""  # the name plans of this step carry
     records: list[GraphRecord] = field(default_factory=list)
+    shares: Any = None  # the step's graphs at their least, when the budget is shared (fxmem.graph_budget)
 
     def latest(self) -> list[GraphRecord]:
         """The newest record per frame (a recompilation of a frame replaces its entry)."""
@@ -120,8 +121,9 @@ class Ledger:
             by_frame[r.frame if r.frame is not None else id(r)] = r
         return list(by_frame.values())
 
-    def held_for(self, record: GraphRecord) -> tuple[int, int]:
-        """Bytes the rest of the step holds while `record`'s graph runs forward, and backward."""
+    def held_for(self, record: GraphRecord, count_saved: bool = True) -> tuple[int, int]:
+        """Bytes the rest of the step holds while `record`'s graph runs forward, and backward; without
+        `count_saved`, less what earlier graphs keep for their backward (the part a plan decides)."""
         others = [r for r in self.latest() if r.frame != record.frame or r.frame is None]
         state: Storages = {}
         if self.model is not None:
@@ -136,14 +138,18 @@ class Ledger:
             for ref, ptr, nbytes in r.seen:
                 if ref() is not None and ptr not in own and ptr not in state:
                     alive[ptr] = nbytes
-        first = {}
+        forward = sum(b for p, b in state.items() if p not in own) + sum(alive.values()) \
+            + (self.earlier_saved(record) if count_saved else 0)
+        return forward, forward + sum(self.later_grads(record).values())
+
+    def earlier_saved(self, record: GraphRecord) -> int:
+        """Bytes the graphs that run before `record`'s keep for their backward while it runs."""
+        others = [r for r in self.latest() if r.frame != record.frame or r.frame is None]
+        first: dict[Any, int] = {}
         for r in self.records:
             first.setdefault(r.frame if r.frame is not None else id(r), r.index)
         order = first.get(record.frame if record.frame is not None else id(record), record.index)
-        earlier = [r for r in others if first.get(r.frame if r.frame is not None else id(r), r.index) < order]
-        forward = sum(b for p, b in state.items() if p not in own) + sum(alive.values()) \
-            + sum(r.saved_bytes for r in earlier)
-        return forward, forward + sum(self.later_grads(record).values())
+        return sum(r.saved_bytes for r in others if first.get(r.frame if r.frame is not None else id(r), r.index) < order)
 
     def later_grads(self, record: GraphRecord) -> Storages:
         """Gradients later graph calls of the step produce before this graph's backward runs."""

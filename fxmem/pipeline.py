@@ -17,7 +17,7 @@ import torch.fx
 
 from fxmem.capture import capture
 from fxmem.engine import CompiledStep, OptimizedModule, plan_step, signature_of, trace_on_fakes
-from fxmem.errors import FxmemError, InfeasibleBudgetError, PlanMismatchError, fmt_bytes
+from fxmem.errors import FxmemError, InfeasibleBudgetError, PlanMismatchError, fmt_bytes, gb_at_least
 from fxmem.passes.shard import crossing, split_stages, tag_units
 from fxmem.plan import PipelineSection, Plan, StageRow, graph_fingerprint
 from fxmem.planner import Planner, PlanRequest
@@ -26,6 +26,7 @@ from fxmem.stage_costs import (PipelineRequest, _example, _input_specs, baseline
                                layer_units, problem_from_plan)
 
 MAX_ROUNDS = 4
+CHECK_TRIES = 4  # plans at the least a refusal names (raised each time) before naming it unchecked
 
 
 class _JointRecorder(Planner):
@@ -36,7 +37,7 @@ class _JointRecorder(Planner):
         return super().__call__(joint, inputs, **kwargs)
 
 
-def _eager_plan_and_joint(model, args, kwargs, request: PlanRequest):
+def eager_plan_and_joint(model, args, kwargs, request: PlanRequest):
     """The whole model's eager plan (one microbatch) and the joint graph it was made from."""
     recorder = _JointRecorder(dataclasses.replace(request, budget_bytes=None))
     gm = capture(model, args, kwargs)
@@ -46,7 +47,42 @@ def _eager_plan_and_joint(model, args, kwargs, request: PlanRequest):
 
 def plan_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict, plan_request, request: PipelineRequest) -> Plan:
     """The pipeline Plan: the whole model's eager plan for one microbatch, plus stages, balance and
-    the recompute plans of stages that only fit with recompute."""
+    the recompute plans of stages that only fit with recompute. A refusal names a per-stage budget
+    that planning at it was seen to meet (`_checked_refusal`)."""
+    try:
+        return _plan_pipeline_at(model, args, kwargs, plan_request, request)
+    except InfeasibleBudgetError as refused:
+        if plan_request.budget_bytes is None:
+            raise
+        raise _checked_refusal(refused, model, args, kwargs, plan_request, request) from None
+
+
+def _checked_refusal(refused: InfeasibleBudgetError, model, args, kwargs, plan_request, request: PipelineRequest
+                     ) -> InfeasibleBudgetError:
+    """`refused`, naming the least per-stage budget found that the planner meets: the stage model's
+    and the stage planners' figures are estimates (additive memory, the least of one stage), so the
+    figure is planned at, and raised to what a refusal there names, until a plan is made."""
+    budget = plan_request.budget_bytes
+    least, checked = max(refused.min_budget_bytes, budget + 1), False
+    for _ in range(CHECK_TRIES):
+        try:
+            _plan_pipeline_at(model, args, kwargs, dataclasses.replace(plan_request, budget_bytes=least), request)
+            checked = True
+            break
+        except InfeasibleBudgetError as again:
+            least = max(again.min_budget_bytes, least + max(least // 64, 1))
+    error = InfeasibleBudgetError(budget, least, refused.breakdown, proven=False)
+    found = (f"planned at {fmt_bytes(least)} per stage every stage fits" if checked else
+             f"the least per-stage budget found is about {fmt_bytes(least)}, not yet seen to fit")
+    error.args = (f"no split into {request.num_stages} pipeline stages fits {fmt_bytes(budget)} per stage once "
+                  f"fxmem's planner checks each stage's step (with recompute); the least per-stage budget found: "
+                  f"{found}; raise budget_gb to at least {gb_at_least(least)}, use more stages, fewer microbatches "
+                  "in flight (schedule='1f1b'), or a smaller microbatch",)
+    return error
+
+
+def _plan_pipeline_at(model: torch.nn.Module, args: tuple, kwargs: dict, plan_request, request: PipelineRequest
+                      ) -> Plan:
     if kwargs:
         raise FxmemError(f"pipeline planning takes positional inputs only, got keyword inputs {sorted(kwargs)}: "
                          "the first stage receives the schedule's positional microbatch arguments")
@@ -54,7 +90,7 @@ def plan_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict, plan_reques
         raise ValueError("no parameter requires grad: there is no training step to plan")
     _input_specs(args)
     budget_bytes, time_limit_s, solver = plan_request.budget_bytes, plan_request.time_limit_s, plan_request.solver
-    base, joint, gm = _eager_plan_and_joint(model, args, kwargs, plan_request)
+    base, joint, gm = eager_plan_and_joint(model, args, kwargs, plan_request)
     if request.schedule not in ("1f1b", "gpipe"):
         raise ValueError(f"schedule must be '1f1b' or 'gpipe', got {request.schedule!r}")
     units = tag_units(gm, model)

@@ -1,12 +1,13 @@
 """Multi-device placement: `fxmem.optimize(model, budget_gb=..., devices=[...])`.
 
-Reads the model's keep-all plan (per forward value: module path, seconds, saved bytes) and its
-parameters; cuts the model into units (`fxmem.units`: modules, opening containers and layer-list wrappers, so a
-transformers decoder splits between its layers), places contiguous runs of units on the devices with `fxmem.solve.placement`, and runs
-the captured graph with `passes/devices.py` moves. Per unit, memory is its parameters and their
-gradients plus the activations it saves for backward (the keep-all step); time is three times its
-forward estimate (forward plus a backward of about twice the work). The step runs the devices one
-after another (model parallel in one process, no pipelining). Writes nothing to disk.
+Reads the model's captured step and its keep-all plan; `fxmem.regions` places contiguous runs of
+units (`fxmem.units`: modules, opening containers and layer-list wrappers, so a transformers decoder
+splits between its layers) on the devices and plans each device's region under its budget, recompute
+included, with the engine's planner. `PlacedModule` runs the regions one after another (model
+parallel in one process, no pipelining), moving what crosses a region boundary to the next device
+(`passes/devices.py`'s `to_device`). `place_plan` gives the keep-all placement of a plan, for
+reports: per unit, its parameters and their gradients plus the activations it saves for backward.
+Writes nothing to disk.
 """
 from __future__ import annotations
 
@@ -16,14 +17,16 @@ from typing import Any, Sequence
 import torch
 import torch.fx
 
-from fxmem.capture import capture, flat_graph_inputs, structure_outputs
-from fxmem.cost import DeviceSpec, module_path
-from fxmem.engine import plan_step, signature_of
-from fxmem.errors import InfeasibleBudgetError
-from fxmem.passes.devices import place
+from fxmem.capture import flat_graph_inputs, structure_outputs
+from fxmem.cost import DEVICE_PRESETS, DeviceSpec
+from fxmem.engine import OptimizedModule, signature_of
+from fxmem.errors import InfeasibleBudgetError, PlanMismatchError
+from fxmem.pipeline import eager_plan_and_joint
 from fxmem.plan import DeviceRow, NodeRow, Plan
 from fxmem.planner import PlanRequest
+from fxmem.regions import Region, RegionPlanner, Units, place_and_plan, price_units, run_regions
 from fxmem.solve.placement import PlacementError, place_regions
+from fxmem.solve.stages import min_max_cuts
 from fxmem.units import unit_path
 from fxmem.wrapper import ModelWrapper
 
@@ -87,8 +90,12 @@ def place_plan(model: torch.nn.Module, plan: Plan, devices: Sequence[str], budge
     seconds = [3 * sum(r.seconds for r in members[u]) for u in order]
     try:
         placement = place_regions(seconds, memory, budgets)
-    except PlacementError as error:
-        raise InfeasibleBudgetError(min(b for b in budgets if b is not None), max(memory, default=0), {
+    except PlacementError as error:  # the least per-device budget some placement keeping everything fits
+        refused = min(b for b in budgets if b is not None)
+        cuts = min_max_cuts(memory, len(devices)) if len(memory) >= len(devices) else range(1, len(memory))
+        bounds = [0, *cuts, len(memory)]
+        least = max(sum(memory[bounds[k]:bounds[k + 1]]) for k in range(len(bounds) - 1))
+        raise InfeasibleBudgetError(refused, max(least, refused + 1), {
             "parameters and gradients": 2 * sum(params), "saved activations": sum(saved)}) from error
     entries = []
     for k, device in enumerate(devices):
@@ -100,50 +107,92 @@ def place_plan(model: torch.nn.Module, plan: Plan, devices: Sequence[str], budge
     return dataclasses.replace(plan, devices=tuple(entries), budget_bytes=min(limits) if limits else plan.budget_bytes)
 
 
-def node_devices(model: torch.nn.Module, gm: torch.fx.GraphModule, plan: Plan) -> dict[str, tuple[str, int]]:
-    """(device, region) per node of a captured graph: its module's unit's; nodes outside any module
-    run where the node before them ran."""
-    where = {u: (e.device, k) for k, e in enumerate(plan.devices) for u in e.modules}
-    devices: dict[str, tuple[str, int]] = {}
-    current = (plan.devices[0].device, 0)
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            owner = node.target.rpartition(".")[0]
-            devices[node.name] = where.get(unit_path(model, owner), current) if owner else current
-            continue
-        path = module_path(node) if node.op != "call_module" else str(node.target)
-        if path:
-            current = where.get(unit_path(model, path), current)
-        devices[node.name] = current
-    return devices
-
-
 class PlacedModule(ModelWrapper):
-    """The model's own parameters and submodules, placed on several devices; trains like the model."""
+    """The model's own parameters and submodules, placed on several devices; trains like the model.
+
+    Each device runs its region of the model (`fxmem.regions`) as a step planned under its budget,
+    recompute included; a region's parameters are moved to its device in place (they stay the model's)."""
 
     def __init__(self, model: torch.nn.Module, devices: Sequence[str], budgets: Sequence[int | None],
-                 plan: Plan | None, device: DeviceSpec):
-        super().__init__(model, _setup=(list(devices), list(budgets), plan, device), _graph=None, plan=plan)
+                 plan: Plan | None, device: DeviceSpec, solver: str = "auto", time_limit_s: float = 10.0):
+        super().__init__(model, _setup=(list(devices), list(budgets), plan, device, solver, time_limit_s),
+                         _graph=None, _regions=[], _runners=[], plan=plan)
 
     @property
     def plans(self) -> list[Plan]:
         return [self.plan] if self.plan is not None else []
 
+    @property
+    def region_plans(self) -> list[Plan | None]:
+        """The plan of each device's region, in device order (None for a device without one)."""
+        return [r.plan for r in self._regions]
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._graph is None:
             self._build(args, kwargs)
         flat = flat_graph_inputs(self._graph, args, kwargs)
-        raw = torch.fx.Interpreter(self._graph).run(*flat, enable_io_processing=False)
+        raw = run_regions(self._regions, self._runners, self._graph, flat, self._regions[0].device)
         return structure_outputs(self._graph, raw)
 
     def _build(self, args: tuple, kwargs: dict) -> None:
-        devices, budgets, plan, device = self._setup
+        devices, budgets, given, device, solver, time_limit_s = self._setup
         model = self.fxmem_model
-        if plan is None or not plan.devices:
-            request = PlanRequest(device=device, model=getattr(model, "display_name", type(model).__qualname__),
-                                  signature=signature_of(model, args, kwargs))
-            plan = place_plan(model, plan_step(model, args, kwargs, request), devices, budgets)
-        gm = capture(model, args, kwargs)
-        place(gm, node_devices(model, gm, plan), str(plan.devices[0].device))
+        request = PlanRequest(device=device, model=getattr(model, "display_name", type(model).__qualname__),
+                              signature=signature_of(model, args, kwargs), solver=solver, time_limit_s=time_limit_s)
+        eager, joint, gm = eager_plan_and_joint(model, args, kwargs, request)
+        units = price_units(model, args, kwargs, eager, joint, gm)
+        fixed = _bounds_of(units, given) if given is not None and given.devices else None
+        regions = place_and_plan(units, RegionPlanner(units, args, kwargs, request), devices, budgets, fixed)
+        runners = []
+        for region in regions:
+            if region.module is None:
+                runners.append(None)
+                continue
+            for tensor in list(region.module.parameters()) + list(region.module.buffers()):
+                if tensor.device != torch.device(region.device):  # in place: they stay the model's tensors
+                    tensor.data = tensor.data.to(region.device)
+            runners.append(_runner(region))
         object.__setattr__(self, "_graph", gm)
-        object.__setattr__(self, "plan", plan)
+        object.__setattr__(self, "_regions", regions)
+        object.__setattr__(self, "_runners", runners)
+        object.__setattr__(self, "plan", _placed_plan(eager, units, regions))
+
+
+def _runner(region: Region) -> torch.nn.Module:
+    """The region's module running its plan (the engine's compiled step); as captured where nothing
+    in it takes a gradient."""
+    module, plan = region.module, region.plan
+    if plan is None:
+        return module
+    return OptimizedModule(module, lambda _, args, kwargs: PlanRequest(
+        budget_bytes=plan.budget_bytes, plan=plan, model=type(module).__qualname__,
+        signature=signature_of(module, args, kwargs), device=DeviceSpec.from_name(plan.device)
+        if plan.device in DEVICE_PRESETS else DEVICE_PRESETS["cpu"]), loss_options=None)
+
+
+def _bounds_of(units: Units, plan: Plan) -> tuple[int, ...]:
+    """The placement a plan made earlier records: each device's units, by label."""
+    bounds, labels = [0], units.labels
+    for entry in plan.devices:
+        taken = [labels.index(m) for m in entry.modules if m in labels]
+        bounds.append(max(taken) + 1 if taken else bounds[-1])
+    if bounds[-1] != len(labels) or sorted(bounds) != bounds:
+        raise PlanMismatchError("the plan's device placement names other units than this model has; make the plan "
+                                "again for this model with fxmem.optimize(model, budget_gb=..., devices=[...])")
+    return tuple(bounds)
+
+
+def _placed_plan(eager: Plan, units: Units, regions: Sequence[Region]) -> Plan:
+    """The keep-all plan of the whole step with one entry per device: its units, parameters, the
+    predicted peak of its region's plan, and its budget."""
+    entries = []
+    for region in regions:
+        span = range(region.first, region.last)
+        entries.append(DeviceRow(
+            device=region.device, modules=tuple(units.labels[u] for u in span),
+            parameter_bytes=sum(units.param_bytes[u] for u in span),
+            peak_bytes=region.plan.predicted_peak_bytes if region.plan is not None else 0,
+            seconds=sum(units.seconds[u] for u in span), budget_bytes=region.budget))
+    limits = [r.budget for r in regions if r.budget is not None]
+    return dataclasses.replace(eager, devices=tuple(entries), budget_bytes=min(limits) if limits else eager.budget_bytes,
+                               predicted_peak_bytes=max(e.peak_bytes for e in entries))

@@ -83,6 +83,19 @@ def test_stage_budget_is_respected_and_infeasible_is_clear():
     assert all(s.predicted_peak_bytes <= budget for s in fits.pipeline.stages)
 
 
+def test_refusal_names_a_least_that_planning_at_it_meets():
+    model = mlp()
+    x, _ = models.example_inputs("mlp-tiny", 64)
+    free = fxmem.plan(model, (x,), num_stages=2, n_microbatches=M, schedule="gpipe")
+    low = int(0.3 * max(s.predicted_peak_bytes for s in free.pipeline.stages))
+    with pytest.raises(fxmem.InfeasibleBudgetError) as info:
+        fxmem.plan(model, (x,), budget_gb=low / 2**30, num_stages=2, n_microbatches=M, schedule="gpipe")
+    least = info.value.min_budget_bytes
+    assert least > low and "every stage fits" in str(info.value), info.value
+    met = fxmem.plan(model, (x,), budget_gb=least / 2**30, num_stages=2, n_microbatches=M, schedule="gpipe")
+    assert all(s.predicted_peak_bytes <= least for s in met.pipeline.stages)
+
+
 def test_refusal_names_no_figure_it_does_not_have():
     from types import SimpleNamespace
     from fxmem.pipeline import _planner_infeasible

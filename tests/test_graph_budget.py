@@ -1,0 +1,97 @@
+"""One budget shared by a step's Dynamo graphs (`fxmem.graph_budget`): a budget below what the graphs
+need together is refused naming a least that the next call, planned at exactly that budget, meets:
+accepted, the measured peak within it, training exactly like eager."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxmem
+from fxmem.graph_budget import need, saved_cap
+from fxmem.measure import measure_peak_bytes
+from fxmem.planner import safety_bytes
+from tests.conftest import GIB, step
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class _TwoHalves(nn.Module):
+    """Two wide blocks with a data-dependent branch between them: Dynamo plans two graphs, the first
+    keeping its activations for backward while the second runs."""
+
+    def __init__(self, d: int = 64):
+        super().__init__()
+        self.first = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.second = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        h = self.first(x)
+        if h.mean() > 0:  # a Python branch on a tensor's value: a graph break
+            h = h * 0.5
+        return self.second(h).square().mean()
+
+
+def _refused_then_met(model, args, kwargs, fraction):
+    """Refused at `fraction` of eager's peak; the least it names accepted by the next call, whose
+    measured peak is within it and whose gradients equal eager's."""
+    eager = measure_peak_bytes(copy.deepcopy(model), args, kwargs)
+    low = int(fraction * eager)
+    with pytest.raises(fxmem.InfeasibleBudgetError) as refused:
+        step(fxmem.optimize(copy.deepcopy(model), budget_gb=low / GIB, time_limit_s=1), args, kwargs)
+    least = refused.value.min_budget_bytes
+    assert low < least < eager, refused.value
+    torch._dynamo.reset()
+    reference, candidate = copy.deepcopy(model), copy.deepcopy(model)
+    optimized = fxmem.optimize(candidate, budget_gb=least / GIB, time_limit_s=1)
+    out, expected = step(optimized, args, kwargs), step(reference, args, kwargs)
+    loss = lambda o: o if isinstance(o, torch.Tensor) else o.loss  # noqa: E731
+    torch.testing.assert_close(loss(out), loss(expected), atol=0, rtol=0)
+    ref = dict(reference.named_parameters())
+    for name, p in candidate.named_parameters():
+        assert (p.grad is None) == (ref[name].grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, ref[name].grad, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
+    assert len(optimized.plans) > 1
+    measured = measure_peak_bytes(optimized, args, kwargs)
+    assert measured <= least, f"measured {measured} > the least named {least}"
+    return refused.value
+
+
+def test_graph_break_step_refused_names_a_least_the_next_call_meets():
+    torch.manual_seed(0)
+    error = _refused_then_met(_TwoHalves(), (torch.randn(512, 64),), {}, 0.3)
+    assert "graphs together" in str(error) and "not proven" in str(error)
+
+
+def test_wav2vec2_ctc_refused_names_a_least_the_next_call_meets():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.Wav2Vec2ForCTC(transformers.Wav2Vec2Config(
+        vocab_size=32, layerdrop=0.0, mask_time_prob=0.0, conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3),
+        num_feat_extract_layers=2, num_hidden_layers=1, num_attention_heads=4, hidden_size=64, intermediate_size=128))
+    model.train()
+    _refused_then_met(model, (torch.randn(2, 1600),), {"labels": torch.randint(1, 32, (2, 20))}, 0.3)
+
+
+def test_need_counts_what_earlier_graphs_keep():
+    assert need([10, 5, 8], [4, 3, 1]) == (15, 2)  # graph 2 runs while graphs 0 and 1 keep 7
+    assert need([10], [100]) == (10, 0)
+
+
+def test_saved_cap_leaves_later_graphs_their_least():
+    from fxmem.graph_budget import GraphShare
+
+    shares = [GraphShare(k, "", peak, saved, None, 0) for k, (peak, saved) in enumerate([(50, 10), (40, 20), (30, 0)])]
+    budget = 1 << 20
+    # graph 1 needs 40 on top of graph 0's saved values, graph 2 needs 30 + the 20 graph 1 keeps
+    assert saved_cap(shares, 0, budget, earlier=0) == budget - safety_bytes(budget) - 50
+    assert saved_cap(shares, 1, budget, earlier=10) == budget - safety_bytes(budget) - 10 - 30
+    assert saved_cap(shares, 2, budget, earlier=0) is None

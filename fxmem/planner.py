@@ -92,6 +92,7 @@ class PlanRequest:
     held_bytes: tuple[int, int] = (0, 0)  # what the step's other graphs hold during this graph's forward, backward
     capture: str = ""  # how the graph was captured, for the plan's table
     replay_random: bool = True  # random ops may be recomputed with their generator state (passes/rng.py)
+    replay_ops: str = "functions"  # replayed through passes/rng.py's functions, or torch's ops ("torch", Inductor)
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,8 @@ class Planner:
                 self._price_copies(estimate(joint, device))
         else:
             plan, link = self._make_plan(joint, fingerprint), self.request.device.host_link
-        graphs = StepGraphs(joint, num_fwd_outputs, seconds=self._seconds, host_link=link, pool=self.request.pool)
+        graphs = StepGraphs(joint, num_fwd_outputs, seconds=self._seconds, host_link=link, pool=self.request.pool,
+                            replay_ops=self.request.replay_ops)
         graphs = run_passes(graphs, plan, STEP_PASSES)
         if self.request.pool:
             plan = dataclasses.replace(plan, pool=self._pool_section(plan, graphs))

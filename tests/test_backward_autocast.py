@@ -70,14 +70,16 @@ def _like_eager_after_one_warning(model, kwargs, budget: int, eager):
 
 
 def test_sdpa_dropout_with_backward_outside_autocast_trains_like_eager():
-    """With nothing recomputed and at a budget that recomputes attention, gradients equal eager's from the second step on (they were 4.9e-4 off at every step)."""
+    """With nothing recomputed and at a budget that recomputes attention, gradients equal eager's
+    from the second step on (they were 4.9e-4 off at every step)."""
     model, kwargs = _gpt2()
     eager = _step(copy.deepcopy(model), kwargs, backward_inside=False)
     kept = _like_eager_after_one_warning(copy.deepcopy(model), kwargs, 100 * GIB, eager)
     assert not kept.recompute
     budget = kept.predicted_peak_bytes - 3 * kept.saved_bytes // 10
     recomputing = _like_eager_after_one_warning(model, kwargs, budget, eager)
-    assert any(r.decision == "recompute" and r.op == "_safe_softmax" and ".attn" in r.module for r in recomputing.nodes)
+    assert any(r.decision == "recompute" and r.op == "_safe_softmax" and ".attn" in r.module
+               for r in recomputing.nodes)
 
 
 def test_backward_pass_autocast_off_is_eagers_from_the_first_step():

@@ -4,7 +4,8 @@ runs planned steps.
 
 Reads the model's parameters and buffers at every call (training the result trains the model);
 BatchNorm running statistics are written back once per step by AOTAutograd's input-mutation
-epilogue. Compiled steps are cached per input signature (shapes, dtypes, mode). Writes nothing to disk;
+epilogue. Compiled steps are cached per input signature (shapes, dtypes, mode, autocast, and the autocast
+backward last ran under: fxmem.backward_autocast). Writes nothing to disk;
 a progress line on stderr while the first call of a signature plans on a terminal.
 """
 from __future__ import annotations

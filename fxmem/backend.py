@@ -5,7 +5,9 @@
 Dynamo hands each captured graph to `fxmem_backend`; AOTAutograd traces its joint forward/backward
 graph and `fxmem.planner.Planner` (the same planner `fxmem.plan`/`fxmem.optimize` use) picks what to
 save and what to recompute so the simulated step fits the budget. The forward and backward graphs
-then run through boxed_nop ("aot_eager") or Inductor ("inductor").
+then run through boxed_nop ("aot_eager") or Inductor ("inductor"). Random ops: with eager kernels, and
+with Inductor under `torch._inductor.config.fallback_random`, dropout may be recomputed with the numbers
+it drew (passes/rng.py); with Inductor's own random numbers it is kept (docs/compile-random.md).
 
 Budget across graph breaks: one `torch.compile(...)` call has one ledger (`fxmem.ledger`). Graph k
 of a step is planned for the whole `budget_gb`, with what the rest of the step holds while its
@@ -224,7 +226,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], optio
     record = GraphRecord.of(index, frame, budget, example_inputs, _sources(gm))
     record.held = ledger.held_for(record, count_saved)
     device = options.get("device") or _input_device(example_inputs)
-    request = PlanRequest(budget_bytes=budget, held_bytes=record.held, replay_random=inner != "inductor",
+    request = PlanRequest(budget_bytes=budget, held_bytes=record.held, replay_random=replays_random(inner),
+                          replay_ops="torch" if inner == "inductor" else "functions",
                           device=device if isinstance(device, DeviceSpec) else DeviceSpec.from_name(device),
                           solver=options.get("solver", "auto"), time_limit_s=float(options.get("time_limit_s", 10.0)),
                           model=ledger.model_name or f"dynamo graph {index}", capture=_where(gm, index, ledger),
@@ -237,6 +240,18 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], optio
             warnings.warn(f"fxmem backend: Inductor unavailable ({exc}); running the planned graphs with "
                           "aot_eager instead (the budget still applies)", stacklevel=2)
     return _counted(_compile_aot_eager(gm, example_inputs, planner), record)
+
+
+def replays_random(inner: str) -> bool:
+    """Whether random ops may be recomputed with the numbers they drew (passes/rng.py): with eager
+    kernels, and with Inductor under `torch._inductor.config.fallback_random`, where random ops are
+    eager's own kernels on torch's generator. Inductor's own random numbers (the default) come from
+    its seeds and kernels, not torch's generator: random ops are kept (docs/compile-random.md)."""
+    if inner != "inductor":
+        return True
+    from torch._inductor import config as inductor_config
+
+    return bool(inductor_config.fallback_random)
 
 
 def _refuse_dynamic_shapes(example_inputs: Sequence[Any]) -> None:

@@ -4,14 +4,15 @@ runs planned steps.
 
 Reads the model's parameters and buffers at every call (training the result trains the model);
 BatchNorm running statistics are written back once per step by AOTAutograd's input-mutation
-epilogue. Compiled steps are cached per input signature (shapes, dtypes, mode). Writes nothing to disk;
+epilogue. Compiled steps are cached per input signature (shapes, dtypes, mode, autocast, and the autocast
+backward last ran under: fxmem.backward_autocast). Writes nothing to disk;
 a progress line on stderr while the first call of a signature plans on a terminal.
 """
 from __future__ import annotations
 
 import dataclasses
-
 import logging
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -21,13 +22,16 @@ import torch.utils._pytree as pytree
 from functorch.compile import aot_function
 from torch._dynamo.backends.debugging import boxed_nop
 from torch._dynamo.eval_frame import _set_in_optimized_module
+from torch._functorch.partitioners import default_partition
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 
+from fxmem import backward_autocast as bwa
 from fxmem.capture import capture, data_dependent_error, describe_input, flat_graph_inputs, structure_outputs
 from fxmem.eager_step import EagerStep, eager_peak_within, eager_plan
 from fxmem.errors import TraceError
 from fxmem.loss_boundary import step_module
-from fxmem.plan import Plan
+from fxmem.passes.dropout_backward import eager_dropout_backward
+from fxmem.plan import Plan, graph_fingerprint
 from fxmem.planner import Planner, PlanRequest
 from fxmem.progress import planning
 from fxmem.report import short_signature
@@ -63,6 +67,11 @@ class CompiledStep:
         self.constants = {n: b for n, b in gm.named_buffers() if n not in model_names}
         self.out_spec: pytree.TreeSpec | None = None
         self.out_consts: list[Any] = []
+        # autocast of forward, and where backward was traced (fxmem.backward_autocast); whether backward
+        # gives eager's gradients under other autocast states, once checked
+        self.forward_autocast: tuple = ()
+        self.traced_backward: tuple = ()
+        self.backward_agrees: dict[tuple, bool] = {}
         self.compiled = aot_function(self._flat_forward, fw_compiler=compiler, bw_compiler=compiler,
                                      partition_fn=planner,
                                      num_params_buffers=len(self.state_names) + len(self.constants))
@@ -131,17 +140,18 @@ def captured_as(request: PlanRequest, gm: torch.fx.GraphModule) -> PlanRequest:
 
 
 def signature_of(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
-    """Readable input signature: shapes and dtypes of tensor inputs, other values, mode."""
+    """Readable input signature: shapes and dtypes of tensor inputs, other values, mode, autocast
+    (and where backward is traced, when not under forward's autocast: fxmem.backward_autocast)."""
     parts = [describe_input(a) for a in args] + [f"{k}={describe_input(v)}" for k, v in sorted(kwargs.items())]
-    return f"({', '.join(parts)}){'' if model.training else ' eval'}{autocast_state()}"
+    forward = bwa.live_state()
+    return (f"({', '.join(parts)}){'' if model.training else ' eval'}{bwa.describe(forward)}"
+            f"{bwa.signature_suffix(bwa.traced_state(forward), forward)}")
 
 
 def autocast_state() -> str:
     """' autocast(cpu:bfloat16)' inside `torch.autocast`, '' outside: a plan made under autocast
     has other dtypes (and graph) than one made without, so it is part of the input signature."""
-    on = [f"{d}:{str(torch.get_autocast_dtype(d)).replace('torch.', '')}" for d in ("cpu", "cuda")
-          if torch.is_autocast_enabled(d)]
-    return f" autocast({', '.join(on)})" if on else ""
+    return bwa.describe(bwa.live_state())
 
 
 class OptimizedModule(ModelWrapper):
@@ -155,49 +165,104 @@ class OptimizedModule(ModelWrapper):
 
     def __init__(self, model: torch.nn.Module, make_request: Callable[[torch.nn.Module, tuple, dict], PlanRequest],
                  loss_options: tuple[bool, bool] | None = (True, True)):
-        super().__init__(model, _make_request=make_request, _steps={}, _loss_options=loss_options)
+        super().__init__(model, _make_request=make_request, _steps={}, _backward_ran={}, _loss_options=loss_options)
 
     @property
     def plans(self) -> list[Plan]:
         """The plans made or applied so far, one per input signature seen."""
-        return [plan for step in self._steps.values() for plan in step.plans]
+        steps = {id(step): step for step in self._steps.values()}  # a step serves every backward it agrees with
+        return [plan for step in steps.values() for plan in step.plans]
 
     @property
     def plan(self) -> Plan | None:
         """The plan of the input signature seen last (None before the first training call)."""
-        return self._steps[self._last].plans[-1] if getattr(self, "_last", None) in self._steps else None
+        step = self._steps.get(getattr(self, "_last", None))
+        return step.plans[-1] if step is not None and step.plans else None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         model = self.fxmem_model
         if not torch.is_grad_enabled():
             return model(*args, **kwargs)
         key = _cache_key(model, args, kwargs)
-        object.__setattr__(self, "_last", key)
-        step = self._steps.get(key)
+        ran = self._backward_ran.get(key)  # where this signature's backward ran last (None: not yet)
+        object.__setattr__(self, "_last", (key, ran))
+        step = self._steps.get((key, ran))
         if step is None:
-            module, loss = step_module(model, args, kwargs, *self._loss_options) if self._loss_options \
-                else (model, "")
-            request = dataclasses.replace(self._make_request(module, args, kwargs), loss=loss)
-            log.info("fxmem: planning %s %s", request.model, request.signature)
-            with planning(f"planning {request.model} {short_signature(request.signature)}", request.time_limit_s):
-                step, request, gm = _eager_or_planned(module, args, kwargs, request)
-                if step is not None:
-                    self._steps[key] = step
-                    return step(args, kwargs)
-                try:
-                    gm = gm if gm is not None else capture(module, args, kwargs)
-                    step = CompiledStep(module, gm, Planner(captured_as(request, gm)))
-                    out = step(dict(model_state(module)), args, kwargs)  # the first call traces and plans
-                except TraceError as exc:  # not one graph: Dynamo's graphs, under the same budget
-                    from fxmem.dynamo_step import DynamoStep
-
-                    step = DynamoStep(module, request, exc)
-                    out = step(args, kwargs)
-            self._steps[key] = step
-            return out
+            forward = bwa.live_state()
+            backward = bwa.traced_state(forward) if ran is None else ran
+            with torch._functorch.config.patch(backward_pass_autocast=bwa.config_for(backward, forward)):
+                step, out = self._plan(model, args, kwargs)
+            self._steps[(key, ran)] = step
+            if isinstance(step, CompiledStep):
+                step.forward_autocast, step.traced_backward = forward, backward
+                step.backward_agrees[backward] = True
+        elif isinstance(step, CompiledStep):
+            out = step(dict(model_state(model)), args, kwargs)
+        else:
+            return step(args, kwargs)
         if isinstance(step, CompiledStep):
-            return step(dict(model_state(model)), args, kwargs)
-        return step(args, kwargs)
+            bwa.watch_backward(out, lambda state: self._saw_backward(key, step, state, args, kwargs))
+        return out
+
+    def _plan(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+        """A new step for this input signature, and the output of its first call (which traces and plans)."""
+        module, loss = step_module(model, args, kwargs, *self._loss_options) if self._loss_options \
+            else (model, "")
+        request = dataclasses.replace(self._make_request(module, args, kwargs), loss=loss)
+        log.info("fxmem: planning %s %s", request.model, request.signature)
+        with planning(f"planning {request.model} {short_signature(request.signature)}", request.time_limit_s):
+            step, request, gm = _eager_or_planned(module, args, kwargs, request)
+            if step is not None:
+                return step, step(args, kwargs)
+            try:
+                gm = gm if gm is not None else capture(module, args, kwargs)
+                step = CompiledStep(module, gm, Planner(captured_as(request, gm)))
+                return step, step(dict(model_state(module)), args, kwargs)
+            except TraceError as exc:  # not one graph: Dynamo's graphs, under the same budget
+                from fxmem.dynamo_step import DynamoStep
+
+                step = DynamoStep(module, request, exc)
+                return step, step(args, kwargs)
+
+    def _saw_backward(self, key: tuple, step: CompiledStep, state: bwa.State, args: tuple, kwargs: dict) -> None:
+        """Backward of `step` ran under `state`: if its graph is not eager's backward there, warn (once) and
+        plan again at the next call."""
+        self._backward_ran[key] = state
+        if state not in step.backward_agrees:
+            step.backward_agrees[state] = _same_joint(step, self.fxmem_model, args, kwargs, state)
+            if not step.backward_agrees[state]:
+                plan = step.planner.plan
+                warnings.warn(bwa.mismatch_warning(plan.model if plan else type(self.fxmem_model).__qualname__,
+                                                   step.traced_backward, state, step.forward_autocast), stacklevel=2)
+        if step.backward_agrees[state]:
+            self._steps.setdefault((key, state), step)
+
+
+def _same_joint(step: CompiledStep, model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
+                backward: bwa.State) -> bool:
+    """Whether tracing `step` with backward under `backward` gives the joint graph it was planned for
+    (traced again on fake tensors, from within backward: grad mode on, forward's autocast)."""
+    plan = step.planner.plan
+    if plan is None:
+        return False
+    fingerprint = JointFingerprint()
+    with torch.enable_grad(), bwa.autocast_as(step.forward_autocast), \
+            torch._functorch.config.patch(backward_pass_autocast=bwa.config_for(backward, step.forward_autocast)):
+        trace_on_fakes(CompiledStep(model, step.gm, fingerprint), model, args, kwargs)
+    return fingerprint.fingerprint == plan.fingerprint
+
+
+class JointFingerprint:
+    """A partitioner that records the joint graph's fingerprint as the planner computes it, and splits it
+    as AOTAutograd's default partitioner does."""
+
+    plan = None
+    fingerprint = ""
+
+    def __call__(self, joint: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kwargs: Any):
+        eager_dropout_backward(joint)
+        self.fingerprint = graph_fingerprint(joint)
+        return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs)
 
 
 def _eager_or_planned(module: torch.nn.Module, args: tuple, kwargs: dict, request: PlanRequest

@@ -71,7 +71,11 @@ def _cuda_peak(device: torch.device, module: torch.nn.Module, inputs: Sequence[A
 
 class _StepTracker(MemTracker):
     """MemTracker that Dynamo does not step aside for: Dynamo runs frames eagerly under any other
-    TorchDispatchMode, so a plain tracker would measure a compiled module's eager step instead."""
+    TorchDispatchMode, so a plain tracker would measure a compiled module's eager step instead.
+    Higher-order ops (torch's rng replay ops in Inductor's graphs, passes/rng.py) come to it whole,
+    and their outputs are counted as any op's."""
+
+    supports_higher_order_operators = True
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:

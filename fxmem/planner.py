@@ -86,6 +86,7 @@ class PlanRequest:
     capture: str = ""  # how the graph was captured, for the plan's table
     loss: str = ""  # where the step's loss is (fxmem.loss_boundary), for the plan's table
     replay_random: bool = True  # random ops may be recomputed with their generator state (passes/rng.py)
+    replay_ops: str = "functions"  # replayed through passes/rng.py's functions, or torch's ops ("torch", Inductor)
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,8 @@ class Planner:
                 self._price_copies(estimate(joint, device))
         else:
             plan, link = self._make_plan(joint, fingerprint), self.request.device.host_link
-        graphs = StepGraphs(joint, num_fwd_outputs, seconds=self._seconds, host_link=link, pool=self.request.pool)
+        graphs = StepGraphs(joint, num_fwd_outputs, seconds=self._seconds, host_link=link, pool=self.request.pool,
+                            replay_ops=self.request.replay_ops)
         graphs = run_passes(graphs, plan, STEP_PASSES)
         if self.request.pool:
             plan = dataclasses.replace(plan, pool=self._pool_section(plan, graphs))

@@ -14,8 +14,10 @@ op and puts the generator back: the mask is bit-identical and later draws are un
 mirror the higher-order ops `torch._prims.rng_prims` gives AOTAutograd's `functionalize_rng_ops`,
 as plain functions: those ops raise NotImplementedError under a dispatch mode without a rule for
 them (MemTracker, the eager meter), while these let such modes see the op inside. Inductor cannot
-compile a plain function, so the compile backend asks for replay only with `inner="aot_eager"`
-(with Inductor random ops are kept, as before).
+lower a plain function, so graphs bound for Inductor (`StepGraphs.replay_ops == "torch"`) get torch's
+higher-order ops instead, which it runs as fallback kernels; the compile backend asks for replay
+under Inductor only with `torch._inductor.config.fallback_random` (random ops are eager's kernels on
+torch's generator there; with Inductor's own random numbers they are kept: docs/compile-random.md).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch._prims import rng_prims
 
 from fxmem.passes.runner import StepGraphs
 from fxmem.schedule import draws_nothing
@@ -61,8 +64,9 @@ def draws(node: torch.fx.Node) -> bool:
 
 
 def rng_pass(graphs: StepGraphs, plan: Any) -> StepGraphs:
-    """The forward and backward graphs with every recomputed random op replayed from its saved state."""
-    replay_random_ops(graphs.fw, graphs.bw)
+    """The forward and backward graphs with every recomputed random op replayed from its saved state,
+    through torch's rng higher-order ops when the graphs go to Inductor (`graphs.replay_ops == "torch"`)."""
+    replay_random_ops(graphs.fw, graphs.bw, torch_ops=graphs.replay_ops == "torch")
     return graphs
 
 
@@ -77,8 +81,12 @@ def tag_replayed(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> list[tor
     return recomputed
 
 
-def replay_random_ops(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> int:
-    """Rewrite the random ops backward recomputes; returns how many."""
+def replay_random_ops(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, torch_ops: bool = False) -> int:
+    """Rewrite the random ops backward recomputes; returns how many. With `torch_ops`, through torch's
+    `run_and_save_rng_state` / `run_with_rng_state` higher-order ops (Inductor runs them as fallback
+    kernels; a plain function is not an op it can lower), else through this module's functions."""
+    save, replay_op = (rng_prims.run_and_save_rng_state, rng_prims.run_with_rng_state) if torch_ops \
+        else (run_and_save_rng_state, run_with_rng_state)
     recomputed = tag_replayed(fw, bw)
     forward = {n.name: n for n in fw.graph.nodes if n.op == "call_function"}
     if not recomputed:
@@ -95,7 +103,7 @@ def replay_random_ops(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> int
         sizes += 1
     saved, saved_sizes = outputs[:len(outputs) - sizes], outputs[len(outputs) - sizes:]
     for copy in recomputed:
-        state = _save_state(fw, forward[copy.name])
+        state = _save_state(fw, forward[copy.name], save)
         saved.append(state)
         where = bw.graph.inserting_before(tangents[0]) if tangents else bw.graph.inserting_after(placeholders[-1])
         with where:
@@ -103,7 +111,7 @@ def replay_random_ops(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> int
         placeholders.append(state_in)
         state_in.meta = dict(state.meta)
         with bw.graph.inserting_before(copy):
-            replay = bw.graph.call_function(run_with_rng_state, (state_in, copy.target, *copy.args), dict(copy.kwargs))
+            replay = bw.graph.call_function(replay_op, (state_in, copy.target, *copy.args), dict(copy.kwargs))
         replay.meta = dict(copy.meta)
         copy.replace_all_uses_with(replay)
         bw.graph.erase_node(copy)
@@ -119,8 +127,8 @@ def _is_size(value: Any) -> bool:
     return isinstance(value, torch.fx.Node) and isinstance(value.meta.get("val"), (torch.SymInt, int))
 
 
-def _save_state(fw: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.Node:
-    """Run forward's `node` through run_and_save_rng_state; returns the node of the saved state."""
+def _save_state(fw: torch.fx.GraphModule, node: torch.fx.Node, save: Any) -> torch.fx.Node:
+    """Run forward's `node` through `save` (run_and_save_rng_state); returns the node of the saved state."""
     value = node.meta["val"]
     fake = next(v for v in torch.utils._pytree.tree_leaves(value) if isinstance(v, torch.Tensor))
     if hasattr(fake, "fake_mode"):
@@ -129,7 +137,7 @@ def _save_state(fw: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.Node:
     else:
         state_val = torch.empty(_state_bytes(fake.device), dtype=torch.uint8)
     with fw.graph.inserting_before(node):
-        pair = fw.graph.call_function(run_and_save_rng_state, (node.target, *node.args), dict(node.kwargs))
+        pair = fw.graph.call_function(save, (node.target, *node.args), dict(node.kwargs))
         state = fw.graph.create_node("call_function", operator.getitem, (pair, 0), name=f"{node.name}_rng_state")
         out = fw.graph.call_function(operator.getitem, (pair, 1))
     pair.meta = {**node.meta, "val": (state_val, value)}

@@ -20,7 +20,7 @@ class StepGraphs:
     `num_fwd_outputs` outputs the caller receives; `fw` / `bw`: the extracted forward and backward
     graphs (None until the recompute pass runs). `seconds`: estimated seconds per joint node and
     `host_link` (a `fxmem.cost.HostLink`): the offload pass's clock; `pool`: False, True or "all"
-    (see passes/pool.py)."""
+    (see passes/pool.py); `replay_ops`: see passes/rng.py."""
 
     joint: torch.fx.GraphModule
     num_fwd_outputs: int
@@ -29,6 +29,7 @@ class StepGraphs:
     seconds: Mapping[str, float] = field(default_factory=dict)
     host_link: Any = None
     pool: bool | str = False
+    replay_ops: str = "functions"  # how passes/rng.py replays random ops: "functions", or "torch" for Inductor
 
     def replace(self, **changes: Any) -> "StepGraphs":
         return dataclasses.replace(self, **changes)

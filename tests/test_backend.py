@@ -233,3 +233,50 @@ def test_dynamic_shapes_get_a_clear_error_and_static_compiles_plan_each_shape():
     dynamic = torch.compile(copy.deepcopy(reference), backend="fxmem", dynamic=True, options=options)
     with pytest.raises(Exception, match="dynamic sizes .* compile with dynamic=False"):
         dynamic(*models.example_inputs("gpt-tiny", batch_size=4))
+
+
+@pytest.mark.skipif(not has_cxx_compiler(), reason="Inductor needs a C++ compiler")
+def test_inductor_fallback_random_recomputes_dropout_with_eagers_masks(monkeypatch):
+    """Under torch._inductor.config.fallback_random Inductor draws eager's random numbers; the plan may
+    then recompute dropout, replayed through torch's rng ops Inductor runs as fallback kernels. At the
+    least budget, which recomputes dropout, loss and gradients are eager's up to Inductor's float
+    rounding (measured: 1 ulp on the loss, 4.5e-8 on gradients)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=1, n_head=2, use_cache=False,
+                                     resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).train()
+    ids = torch.randint(128, (2, 32))
+    kwargs = {"input_ids": ids, "labels": ids}
+    reference = copy.deepcopy(model)
+    with torch._inductor.config.patch(fallback_random=True):
+        torch._dynamo.reset()
+        with pytest.raises(Exception) as info:  # planning only: the least budget of the first graph
+            training_step(_compiled(copy.deepcopy(model), {"budget_gb": 1e-6, "time_limit_s": 5}), (), kwargs)
+        error = info.value
+        while error is not None and not isinstance(error, fxmem.InfeasibleBudgetError):
+            error = getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
+        torch._dynamo.reset()
+        budget = error.min_budget_bytes * 21 // 20
+        saves = _count_rng_saves(monkeypatch)
+        compiled = _compiled(model, {"budget_gb": budget / GIB, "time_limit_s": 5})
+        assert_trains_like(reference, compiled, (), kwargs, atol=1e-6, rtol=1e-5)
+        measured = measure_peak_bytes(compiled, (), kwargs, warmup=False)  # sees torch's rng ops whole
+    assert measured <= budget, f"measured {measured} > budget {budget}"
+    assert saves[0] > 0  # the first graph recomputes dropout, replayed through torch's rng op
+
+
+def _count_rng_saves(monkeypatch) -> list[int]:
+    """How many random ops each graph planned from now on saves a generator state for."""
+    from torch._prims.rng_prims import run_and_save_rng_state
+
+    import fxmem.planner
+    seen, plan = [], fxmem.planner.Planner.__call__
+
+    def counting(self, joint, inputs, **kwargs):
+        fw, bw = plan(self, joint, inputs, **kwargs)
+        seen.append(sum(n.target is run_and_save_rng_state for n in fw.graph.nodes))
+        return fw, bw
+
+    monkeypatch.setattr(fxmem.planner.Planner, "__call__", counting)
+    return seen

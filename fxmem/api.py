@@ -17,6 +17,7 @@ from fxmem.capture import example_args
 from fxmem.cost import DeviceSpec, preset_for
 from fxmem.eager_meter import eager_peak_bytes
 from fxmem.engine import OptimizedModule, plan_step, signature_of
+from fxmem.meta_device import planned_on, refuse_meta_model
 from fxmem.optimizer_state import model_state_bytes
 from fxmem.pipeline import PipelineRequest, plan_pipeline
 from fxmem.placement import PlacedModule, check_devices
@@ -119,7 +120,8 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
                                  PipelineRequest(num_stages, schedule, n_microbatches, optimizer))
         made = plan_step(model, args, kwargs, request)
         if eager_meter:
-            measured = eager_peak_bytes(model, args, kwargs)
+            with planned_on(model, request.device):
+                measured = eager_peak_bytes(model, args, kwargs)
             made = replace(made, eager_peak_bytes=None if measured is None else measured + request.resident_bytes)
         return made
 
@@ -140,6 +142,7 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
     is called as `loss = opt(*inputs, target=y)`, which is `loss_fn(model(*inputs), y)` planned as one
     step (with `keep_outputs`, `(loss, outputs)`). `optimizer`: its state counts in the budget (see `plan`)."""
     check_pool(pool)
+    refuse_meta_model(model)
     if loss_fn is not None:
         model = LossStep(model, loss_fn, keep_outputs)
     elif keep_outputs:

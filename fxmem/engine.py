@@ -25,6 +25,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 
 from fxmem.capture import capture, data_dependent_error, describe_input, flat_graph_inputs, structure_outputs
 from fxmem.errors import TraceError
+from fxmem.meta_device import planned_on
 from fxmem.plan import Plan
 from fxmem.planner import Planner, PlanRequest
 from fxmem.progress import planning
@@ -108,9 +109,10 @@ def plan_step(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any
     """Plan (or, with `request.plan`, check) a training step of `model` on fake tensors: nothing runs."""
     if not any(p.requires_grad for _, p in model.named_parameters()):
         raise ValueError("no parameter requires grad: there is no training step to plan")
-    gm = capture(model, args, kwargs)
-    planner = Planner(captured_as(request, gm))
-    trace_on_fakes(CompiledStep(model, gm, planner), model, args, kwargs)
+    with planned_on(model, request.device):  # a meta model: traced as on the device it is planned for
+        gm = capture(model, args, kwargs)
+        planner = Planner(captured_as(request, gm))
+        trace_on_fakes(CompiledStep(model, gm, planner), model, args, kwargs)
     assert planner.plan is not None
     return planner.plan
 

@@ -213,8 +213,8 @@ def _check_host_memory(spec: str, overrides: dict[str, int], seq_len: int | None
               f"is {fmt_bytes(buffers[largest])}") if buffers else ""
     raise CliError(f"building {what} for planning needs about {fmt_bytes(need)} of host memory (parameters "
                    f"{fmt_bytes(params)}" + (f", {detail}" if detail else "") + f"), more than the "
-                   f"{fmt_bytes(available)} available; use --meta (no weights: planning needs none), a smaller "
-                   + ("--seq-len" if seq_len else "model") + " or a machine with more memory")
+                   f"{fmt_bytes(available)} available; use a smaller " + ("--seq-len" if seq_len else "model")
+                   + ", --meta (planning needs no weights), or a machine with more memory")
 
 
 def load_model(spec: str, batch_size: int | None, seq_len: int | None = None, meta: bool = False

@@ -114,14 +114,14 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
     if num_stages is not None and (offload or pool):
         raise ValueError("num_stages= plans pipeline stages; offload= and pool= apply to one device's step, "
                          "not yet to pipeline stages")
-    with planning(f"planning {request.model} {short_signature(request.signature)}", request.time_limit_s):
+    with planning(f"planning {request.model} {short_signature(request.signature)}", request.time_limit_s), \
+            planned_on(model, request.device):  # a meta model: its fakes on the device it is planned for
         if num_stages is not None:
             return plan_pipeline(model, args, kwargs, request,
                                  PipelineRequest(num_stages, schedule, n_microbatches, optimizer))
         made = plan_step(model, args, kwargs, request)
         if eager_meter:
-            with planned_on(model, request.device):
-                measured = eager_peak_bytes(model, args, kwargs)
+            measured = eager_peak_bytes(model, args, kwargs)
             made = replace(made, eager_peak_bytes=None if measured is None else measured + request.resident_bytes)
         return made
 

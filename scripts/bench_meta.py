@@ -8,7 +8,7 @@ examples:
   python scripts/bench_meta.py --seq 2048                  # 32 layers, batch 1, target h100
   python scripts/bench_meta.py --seq 8192 --time-limit 60
   python scripts/bench_meta.py --layers 2 --seq 512        # a quick look
-  python scripts/bench_meta.py --hidden 8192 --intermediate 28672 --layers 80 --heads 64  # the 70B shape
+  python scripts/bench_meta.py --hidden 8192 --intermediate 28672 --layers 80 --heads 64 --least-only  # 70B
 """
 from __future__ import annotations
 
@@ -73,6 +73,8 @@ def main() -> None:
     p.add_argument("--attention", default="sdpa", choices=("sdpa", "eager"), help="attention (default sdpa)")
     p.add_argument("--target", default="h100", help="device preset to plan for (default h100)")
     p.add_argument("--time-limit", type=float, default=30.0, help="planner time limit, seconds (default 30)")
+    p.add_argument("--least-only", action="store_true", help="only the least budget: no eager plan, no "
+                   "full-checkpointing meter")
     args = p.parse_args()
 
     import fxmem
@@ -88,16 +90,19 @@ def main() -> None:
     except fxmem.InfeasibleBudgetError as exc:
         least = exc
     planned_s = time.perf_counter() - started
-    eager = fxmem.plan(model, (ids,), target=args.target, loss_fn=cross_entropy, example_target=ids,
-                       time_limit_s=args.time_limit, eager_meter=True)
-    full_ac = full_ac_peak(model, ids, args.target)
+    eager = full_ac = None
+    if not args.least_only:
+        eager = fxmem.plan(model, (ids,), target=args.target, loss_fn=cross_entropy, example_target=ids,
+                           time_limit_s=args.time_limit, eager_meter=True)
+        full_ac = full_ac_peak(model, ids, args.target)
     print(f"Llama shape: {args.layers} layers, hidden {args.hidden}, {params / 1e9:.2f} B parameters (bf16), "
           f"batch {args.batch}, seq {args.seq}, {args.attention} attention, target {args.target}, on meta")
     print(f"least budget found:        {least.min_budget_bytes / GIB:8.2f} GiB"
           f" ({'proven' if least.proven else f'proven >= {least.lower_bound_bytes / GIB:.2f} GiB'};"
           f" time limit {args.time_limit:g} s)")
-    print(f"fxmem eager step (no recompute): {eager.baseline_peak_bytes / GIB:8.2f} GiB")
-    if eager.eager_peak_bytes:
+    if eager is not None:
+        print(f"fxmem eager step (no recompute): {eager.baseline_peak_bytes / GIB:8.2f} GiB")
+    if eager is not None and eager.eager_peak_bytes:
         print(f"PyTorch eager, MemTracker:  {eager.eager_peak_bytes / GIB:8.2f} GiB")
     if full_ac is not None:
         print(f"full activation checkpointing, MemTracker: {full_ac / GIB:8.2f} GiB "

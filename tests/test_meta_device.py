@@ -130,3 +130,11 @@ def test_planning_device_is_the_targets_kind_where_this_machine_has_it():
     assert planning_device(DEVICE_PRESETS["cpu"]) == torch.device("cpu")
     gpu = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     assert planning_device(DEVICE_PRESETS["h100"]) == gpu
+
+
+def test_pipeline_stages_of_a_meta_model_plan_like_the_model_with_weights():
+    real, meta = _gpt("cpu"), _gpt("meta")
+    inputs = models.example_inputs("gpt-small", BATCH, **GPT)
+    want = fxmem.plan(real, inputs, 1.0, num_stages=2, **FIXED)
+    got = fxmem.plan(meta, inputs, 1.0, num_stages=2, **FIXED)
+    assert got.pipeline == want.pipeline and got.predicted_peak_bytes == want.predicted_peak_bytes

@@ -34,7 +34,7 @@ examples:
                                                     returning (model, example_inputs)
   fxmem-plan mypkg.llama:make --meta --target h100 --budget-gb 70 --seq-len 8192
                                                     build the model under torch.device("meta") (no weights:
-                                                    a 70B model plans in a few GiB of host memory)
+                                                    a 70B Llama plans in under 1 GiB of host memory)
 
 Then, in the training script:
   model = fxmem.optimize(model, plan=fxmem.Plan.load("gpt.plan.json"))

@@ -58,7 +58,7 @@ def planned_on(model: torch.nn.Module, device: Any) -> Iterator[torch.device | N
 
 def refuse_meta_model(model: torch.nn.Module) -> None:
     """One line for `fxmem.optimize` on a meta model: it has no weights to train."""
-    if is_meta_model(model):
+    if isinstance(model, torch.nn.Module) and is_meta_model(model):
         raise ValueError("the model is on the meta device (built under torch.device('meta')): it has no weights "
                          "to train; plan it with fxmem.plan(model, example_inputs, budget_gb=..., target=...), then "
                          "build it with real weights and train with fxmem.optimize(model, plan=that_plan)")

@@ -19,6 +19,7 @@ from fxmem.eager_meter import eager_peak_bytes
 from fxmem.eager_step import eager_peak_within, eager_plan
 from fxmem.engine import OptimizedModule, plan_step, signature_of
 from fxmem.loss_boundary import step_module
+from fxmem.meta_device import planned_on, refuse_meta_model
 from fxmem.optimizer_state import model_state_bytes
 from fxmem.pipeline import PipelineRequest, plan_pipeline
 from fxmem.placement import PlacedModule, check_devices
@@ -113,18 +114,23 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
         model, kwargs = LossStep(model, loss_fn, bool(keep_outputs)), {**kwargs, "target": example_target}
     elif example_target is not None:
         raise ValueError("example_target= goes with loss_fn=")
-    model, loss = step_module(model, args, kwargs, model_loss, keep_outputs is not False) if num_stages is None \
-        else (model, "")
+    spec = device_spec(target or device, offload, model)
+    if num_stages is None:
+        with planned_on(model, spec):  # a meta model's outputs are read on the device it is planned for
+            model, loss = step_module(model, args, kwargs, model_loss, keep_outputs is not False)
+    else:
+        loss = ""
     budget = budget_bytes(budget_gb)
     check_pool(pool)
-    request = make_request(model, args, kwargs, budget=budget, device=device_spec(target or device, offload, model),
+    request = make_request(model, args, kwargs, budget=budget, device=spec,
                            solver=solver, time_limit_s=check_time_limit(time_limit_s), offload=offload, pool=pool,
                            calibrate=calibrate, optimizer=None if num_stages is not None else optimizer)
     request = replace(request, loss=loss)
     if num_stages is not None and (offload or pool):
         raise ValueError("num_stages= plans pipeline stages; offload= and pool= apply to one device's step, "
                          "not yet to pipeline stages")
-    with planning(f"planning {request.model} {short_signature(request.signature)}", request.time_limit_s):
+    with planning(f"planning {request.model} {short_signature(request.signature)}", request.time_limit_s), \
+            planned_on(model, request.device):  # a meta model: its fakes on the device it is planned for
         if num_stages is not None:
             return plan_pipeline(model, args, kwargs, request,
                                  PipelineRequest(num_stages, schedule, n_microbatches, optimizer))
@@ -158,6 +164,7 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
     (`keep_outputs=False`: the loss alone); `model_loss=False` keeps a gradient on every output (see `plan`). The optimized module's `.plan` is
     the plan of the input signature it saw last, `.plans` all of them."""
     check_pool(pool)
+    refuse_meta_model(model)
     if loss_fn is not None:
         model = LossStep(model, loss_fn, bool(keep_outputs))
     time_limit_s = check_time_limit(time_limit_s)

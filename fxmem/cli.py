@@ -32,6 +32,9 @@ examples:
                                                     2 pipeline stages under 0.003 GiB each (inputs: one microbatch)
   fxmem-plan mypkg.models:make --budget-gb 10       your factory: make(batch_size=N, seq_len=L) or make()
                                                     returning (model, example_inputs)
+  fxmem-plan mypkg.llama:make --meta --target h100 --budget-gb 70 --seq-len 8192
+                                                    build the model under torch.device("meta") (no weights:
+                                                    a 70B Llama plans in under 1 GiB of host memory)
 
 Then, in the training script:
   model = fxmem.optimize(model, plan=fxmem.Plan.load("gpt.plan.json"))
@@ -72,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
                         "train under the same autocast")
     p.add_argument("--target", default="cpu", help="device to price time for: cpu, a100, h100, h200, l4, "
                    "rtx4090 (default: cpu)")
+    p.add_argument("--meta", action="store_true", help="build the model under torch.device('meta'): no "
+                   "weights are made, so a model larger than this machine's memory can be planned (a factory "
+                   "that builds on meta needs no flag); the plan applies to the model built with weights")
     p.add_argument("--offload", action="store_true", help="let the plan offload saved values to host memory")
     p.add_argument("--stages", type=_positive, help="split the model into S pipeline stages")
     p.add_argument("--schedule", help="pipeline schedule, with --stages (e.g. gpipe, 1f1b)")
@@ -129,32 +135,39 @@ def _factory_fn(spec: str) -> Callable[..., Any]:
     return factory
 
 
-def model_factory(spec: str, seq_len: int | None = None) -> Callable[[int | None], tuple[Any, tuple]]:
+def model_factory(spec: str, seq_len: int | None = None, meta: bool = False
+                  ) -> Callable[[int | None], tuple[Any, tuple]]:
     """`make(batch_size) -> (model, example_inputs)` for a zoo preset (the model is built once) or a
-    user factory, called as factory(batch_size=N, seq_len=L) with the arguments given."""
+    user factory, called as factory(batch_size=N, seq_len=L) with the arguments given; with `meta`,
+    under `torch.device("meta")` (no weights made; the inputs a factory makes are meta tensors too)."""
+    import torch
+
     from fxmem import models
+
+    building = (lambda: torch.device("meta")) if meta else contextlib.nullcontext
 
     if ":" not in spec:
         if spec not in models.list_models():
             raise CliError(f"unknown model {spec!r}. Presets: {', '.join(models.list_models())}; "
                            "or give package.module:factory")
         overrides = _zoo_overrides(spec, seq_len)
-        _check_host_memory(spec, overrides, seq_len)
-        model = models.from_name(spec, **overrides)
+        if not meta:
+            _check_host_memory(spec, overrides, seq_len)
+        with building():
+            model = models.from_name(spec, **overrides)
         return lambda batch: (model, models.example_inputs(spec, batch, **overrides))
     factory = _factory_fn(spec)
 
     def make(batch: int | None) -> tuple[Any, tuple]:
         kwargs = {k: v for k, v in (("batch_size", batch), ("seq_len", seq_len)) if v is not None}
         try:
-            made = factory(**kwargs)
+            with building():
+                made = factory(**kwargs)
         except Exception as exc:  # the user's code: say which call failed, in one line
             call = f"{factory.__name__}({', '.join(f'{k}={v}' for k, v in kwargs.items())})"
             hint = " (a factory takes batch_size= and seq_len= when those flags are given)" \
                 if isinstance(exc, TypeError) and "argument" in str(exc) else ""
             raise CliError(f"{spec}: {call} raised {type(exc).__name__}: {exc}{hint}") from None
-        import torch
-
         if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module)):
             got = type(made[0] if isinstance(made, tuple) and len(made) == 2 else made).__name__
             raise CliError(f"{spec} must return (model, example_inputs) with an nn.Module model, got {got}")
@@ -201,22 +214,29 @@ def _check_host_memory(spec: str, overrides: dict[str, int], seq_len: int | None
     raise CliError(f"building {what} for planning needs about {fmt_bytes(need)} of host memory (parameters "
                    f"{fmt_bytes(params)}" + (f", {detail}" if detail else "") + f"), more than the "
                    f"{fmt_bytes(available)} available; use a smaller " + ("--seq-len" if seq_len else "model")
-                   + " or a machine with more memory")
+                   + ", --meta (planning needs no weights), or a machine with more memory")
 
 
-def load_model(spec: str, batch_size: int | None, seq_len: int | None = None) -> tuple[Any, tuple]:
-    return model_factory(spec, seq_len)(batch_size)
+def load_model(spec: str, batch_size: int | None, seq_len: int | None = None, meta: bool = False
+               ) -> tuple[Any, tuple]:
+    return model_factory(spec, seq_len, meta)(batch_size)
 
 
 @contextlib.contextmanager
-def precision(dtype: str, model: Any) -> Iterator[None]:
-    """torch.autocast on the model's device with `dtype`, or nothing for fp32."""
+def precision(dtype: str, model: Any, target: str = "cpu") -> Iterator[None]:
+    """torch.autocast on the model's device with `dtype` (a meta model: the device it is planned on
+    for `target`), or nothing for fp32."""
     import torch
+
+    from fxmem.cost import DeviceSpec
+    from fxmem.meta_device import is_meta_model, planning_device
 
     if DTYPES[dtype] is None:
         yield
         return
     device = next((p.device.type for p in model.parameters()), "cpu")
+    if is_meta_model(model):
+        device = planning_device(DeviceSpec.from_name(target)).type
     with torch.autocast(device, dtype=getattr(torch, DTYPES[dtype])):
         yield
 
@@ -311,10 +331,10 @@ def run(args: argparse.Namespace) -> None:
 
     if args.budget_gb is not None:
         _check_budget(args.budget_gb)
-    make = model_factory(args.model, args.seq_len)
+    make = model_factory(args.model, args.seq_len, args.meta)
     model, inputs = make(args.batch_size)
     from fxmem.engine import signature_of  # after the model is built: a model too big is refused sooner
-    with precision(args.dtype, model):
+    with precision(args.dtype, model, args.target):
         what = f"{args.model} {signature_of(model, inputs, {})}"
         if args.estimate:
             with Progress(f"estimating {what}", quiet=args.quiet):

@@ -30,6 +30,7 @@ from fxmem.capture import capture, data_dependent_error, describe_input, flat_gr
 from fxmem.eager_step import EagerStep, eager_peak_within, eager_plan
 from fxmem.errors import TraceError
 from fxmem.loss_boundary import step_module
+from fxmem.meta_device import planned_on
 from fxmem.passes.dropout_backward import eager_dropout_backward
 from fxmem.plan import Plan, graph_fingerprint
 from fxmem.planner import Planner, PlanRequest
@@ -126,9 +127,10 @@ def planned_graph(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str,
     if not any(p.requires_grad for _, p in model.named_parameters()) and not any(
             isinstance(x, torch.Tensor) and x.requires_grad for x in pytree.tree_leaves((tuple(args), kwargs))):
         raise ValueError("no parameter requires grad: there is no training step to plan")
-    gm = capture(model, args, kwargs)
-    planner = Planner(captured_as(request, gm))
-    trace_on_fakes(CompiledStep(model, gm, planner), model, args, kwargs)
+    with planned_on(model, request.device):  # a meta model: traced as on the device it is planned for
+        gm = capture(model, args, kwargs)
+        planner = Planner(captured_as(request, gm))
+        trace_on_fakes(CompiledStep(model, gm, planner), model, args, kwargs)
     assert planner.plan is not None
     return planner.plan, gm
 

@@ -237,3 +237,29 @@ def test_stages_reach_the_planner(capsys, tmp_path):
     assert "activation memory removed" not in out  # a whole-model figure, not what the stages do
     assert "(top-level ops: " in out and "(size)" not in out and "(flatten)" not in out
     assert "fxmem.pipeline_stage(model, fxmem.Plan.load(" in out and "fxmem.optimize(" not in out
+
+
+def test_meta_builds_the_model_without_weights_and_plans_it_alike(capsys, tmp_path, monkeypatch):
+    code, with_weights, err = cli(capsys, "gpt-tiny", "--dtype", "bf16", "--estimate")
+    assert code == 0, err
+    code, on_meta, err = cli(capsys, "gpt-tiny", "--dtype", "bf16", "--estimate", "--meta")
+    assert code == 0 and on_meta == with_weights, err
+    (tmp_path / "my_meta_models.py").write_text(textwrap.dedent("""
+        import torch
+        from fxmem import models
+        def make(batch_size=2):
+            assert torch.empty(0).device.type == "meta", "not built under torch.device('meta')"
+            return models.from_name("gpt-tiny"), models.example_inputs("gpt-tiny", batch_size, device="meta")
+    """))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    code, _, err = cli(capsys, "my_meta_models:make", "--estimate")
+    assert code == 2 and "not built under torch.device('meta')" in err
+    code, factory_out, err = cli(capsys, "my_meta_models:make", "--estimate", "--meta", "--batch-size", "8")
+    assert code == 0, err
+    assert factory_out.split("\n", 1)[1] == cli(capsys, "gpt-tiny", "--estimate")[1].split("\n", 1)[1]
+
+
+def test_help_shows_meta():
+    out = run("--help").stdout
+    assert "--meta --target h100" in out and "torch.device(\"meta\")" in out

@@ -24,8 +24,8 @@ log = logging.getLogger("fxmem")
 
 
 def eager_peak_bytes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> int | None:
-    """Peak bytes of one eager training step (forward, `fxmem.measure.loss_of`, backward) of `model` on
-    `args`/`kwargs`, as MemTracker sees it on fake tensors."""
+    """Peak bytes of one eager training step (forward, `fxmem.measure.loss_of`, backward, the outputs
+    held until backward ends) of `model` on `args`/`kwargs`, as MemTracker sees it on fake tensors."""
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             fake = lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x  # noqa: E731
@@ -38,7 +38,9 @@ def eager_peak_bytes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[s
             # module hooks step aside (as for compiled modules), so a meter the caller runs around this
             # call keeps its module hierarchy; the peak per device needs none
             with tracker, _set_in_optimized_module():
-                loss_of(torch.func.functional_call(model, state, fargs, fkwargs)).backward()
+                out = torch.func.functional_call(model, state, fargs, fkwargs)
+                loss_of(out).backward()  # the outputs held until backward ends, as fxmem counts them
+                del out
             return max(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
     except Exception as exc:  # a meter that cannot run says so and leaves the row out
         log.info("fxmem: PyTorch eager's peak could not be measured on fake tensors: %s", exc)

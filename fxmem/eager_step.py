@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from fxmem.eager_meter import eager_peak_bytes
+from fxmem.margin import margin_for
 from fxmem.plan import Plan
 
 
@@ -30,12 +31,15 @@ def eager_peak_within(module: torch.nn.Module, args: tuple, kwargs: dict, budget
 
 def eager_plan(plan: Plan, eager_peak: int) -> Plan | None:
     """`plan` marked to run eagerly when fxmem's keep-all step holds more than PyTorch eager's
-    `eager_peak` (which fits the plan's budget); None when the plan is as low as eager."""
-    if plan.baseline_peak_bytes <= eager_peak:
+    `eager_peak` and eager's step (with the BLAS workspaces the plan counts, and the planning margin)
+    fits the plan's budget; None otherwise."""
+    total = eager_peak + plan.breakdown.get("BLAS workspaces", 0)
+    if plan.baseline_peak_bytes <= total or total + margin_for(plan.device).bytes_for(plan.budget_bytes) \
+            > plan.budget_bytes:
         return None
     nodes = tuple(dataclasses.replace(r, decision="save") if r.decision == "recompute" else r for r in plan.nodes)
-    return dataclasses.replace(plan, runs_eagerly=True, predicted_peak_bytes=eager_peak,
-                               eager_peak_bytes=eager_peak, recompute=(), extra_flops=0, nodes=nodes,
+    return dataclasses.replace(plan, runs_eagerly=True, predicted_peak_bytes=total,
+                               eager_peak_bytes=total, recompute=(), extra_flops=0, nodes=nodes,
                                predicted_step_s=plan.baseline_step_s, offload=(), offloaded_bytes=0,
                                exposed_transfer_s=0.0)
 

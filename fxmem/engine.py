@@ -122,17 +122,18 @@ def plan_step(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any
 
 
 def planned_graph(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any], request: PlanRequest
-                  ) -> tuple[Plan, torch.fx.GraphModule]:
-    """`plan_step`'s plan and the graph it captured (to compile with that plan without capturing again)."""
+                  ) -> tuple[Plan, "CompiledStep"]:
+    """`plan_step`'s plan and the step it compiled on fake tensors (which then runs on real ones)."""
     if not any(p.requires_grad for _, p in model.named_parameters()) and not any(
             isinstance(x, torch.Tensor) and x.requires_grad for x in pytree.tree_leaves((tuple(args), kwargs))):
         raise ValueError("no parameter requires grad: there is no training step to plan")
     with planned_on(model, request.device):  # a meta model: traced as on the device it is planned for
         gm = capture(model, args, kwargs)
         planner = Planner(captured_as(request, gm))
-        trace_on_fakes(CompiledStep(model, gm, planner), model, args, kwargs)
+        step = CompiledStep(model, gm, planner)
+        trace_on_fakes(step, model, args, kwargs)
     assert planner.plan is not None
-    return planner.plan, gm
+    return planner.plan, step
 
 
 def captured_as(request: PlanRequest, gm: torch.fx.GraphModule) -> PlanRequest:
@@ -213,13 +214,14 @@ class OptimizedModule(ModelWrapper):
         request = dataclasses.replace(self._make_request(module, args, kwargs), loss=loss)
         log.info("fxmem: planning %s %s", request.model, request.signature)
         with planning(f"planning {request.model} {short_signature(request.signature)}", request.time_limit_s):
-            step, request, gm = _eager_or_planned(module, args, kwargs, request)
-            if step is not None:
+            step = _eager_or_planned(module, args, kwargs, request)
+            if isinstance(step, EagerStep):
                 return step, step(args, kwargs)
             try:
-                gm = gm if gm is not None else capture(module, args, kwargs)
-                step = CompiledStep(module, gm, Planner(captured_as(request, gm)))
-                return step, step(dict(model_state(module)), args, kwargs)
+                if step is None:
+                    gm = capture(module, args, kwargs)
+                    step = CompiledStep(module, gm, Planner(captured_as(request, gm)))
+                return step, step(dict(model_state(module)), args, kwargs)  # the first call traces and plans
             except TraceError as exc:  # not one graph: Dynamo's graphs, under the same budget
                 from fxmem.dynamo_step import DynamoStep
 
@@ -268,25 +270,25 @@ class JointFingerprint:
 
 
 def _eager_or_planned(module: torch.nn.Module, args: tuple, kwargs: dict, request: PlanRequest
-                      ) -> tuple[EagerStep | None, PlanRequest, torch.fx.GraphModule | None]:
+                      ) -> EagerStep | CompiledStep | None:
     """PyTorch's eager step where the budget covers its peak and fxmem's keep-all step would hold more
-    (`fxmem.eager_step`); otherwise no step and the request to compile, with the plan made here on fake
-    tensors (and the graph it captured) when it was made to compare."""
+    (`fxmem.eager_step`); the step planned and compiled on fake tensors to compare, where it was;
+    otherwise None (the first real call plans)."""
     if request.plan is not None:
-        return (EagerStep(module, request.plan) if request.plan.runs_eagerly else None), request, None
+        return EagerStep(module, request.plan) if request.plan.runs_eagerly else None
     eager = eager_peak_within(module, args, kwargs, request.budget_bytes, request.resident_bytes)
     if eager is None:
-        return None, request, None
+        return None
     try:
-        made, gm = planned_graph(module, args, kwargs, request)
+        made, step = planned_graph(module, args, kwargs, request)
     except TraceError:  # planned through Dynamo's graphs instead
-        return None, request, None
+        return None
     as_eager = eager_plan(made, eager)
     if as_eager is not None:
         log.info("fxmem: %s runs eagerly: PyTorch's step peaks at %d bytes, below fxmem's keep-all step's %d",
                  request.model, eager, made.baseline_peak_bytes)
-        return EagerStep(module, as_eager), request, None
-    return None, dataclasses.replace(request, plan=made), gm
+        return EagerStep(module, as_eager)
+    return step
 
 
 def _cache_key(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple:

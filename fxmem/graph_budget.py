@@ -22,7 +22,7 @@ from typing import Sequence
 from fxmem.errors import InfeasibleBudgetError, fmt_bytes, gb_at_least
 from fxmem.ledger import GraphRecord, Ledger
 from fxmem.plan import Plan, graph_fingerprint
-from fxmem.margin import margin_for
+from fxmem.margin import Margin, margin_for
 from fxmem.planner import Planner
 
 
@@ -99,7 +99,7 @@ def shares_for(planners: Sequence[ProbePlanner], budget: int) -> list[GraphShare
 
 def refusal(budget: int, shares: Sequence[GraphShare], total: int, k: int) -> InfeasibleBudgetError:
     """The step's least found, graph by graph: says it is found graph by graph, not proven."""
-    least = margin_for(shares[k].plan.device).least_budget(total)
+    least = _margin(shares).least_budget(total)
     kept = sum(s.saved for s in shares[:k])
     bound = max(s.lower_bound for s in shares)
     error = InfeasibleBudgetError(budget, least, {f"{shares[k].where} at its least": shares[k].peak,
@@ -126,4 +126,10 @@ def saved_cap(shares: Sequence[GraphShare], index: int, budget: int, earlier: in
     for share in later:
         most = max(most, share.peak + kept)
         kept += share.saved
-    return budget - margin_for(shares[index].plan.device).bytes_for(budget) - earlier - most
+    return budget - _margin(shares).bytes_for(budget) - earlier - most
+
+
+def _margin(shares: Sequence[GraphShare]) -> Margin:
+    """The planning margin of the device the graphs were planned for (the CPU's without a plan)."""
+    plan = shares[0].plan if shares else None
+    return margin_for(plan.device if plan is not None else "cpu")

@@ -3,6 +3,7 @@ peak; where fxmem's keep-all step would hold more, it runs eagerly and its plan 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -49,9 +50,12 @@ def test_a_plan_above_eager_becomes_an_eager_plan_and_one_at_or_below_stays():
 
     model = models.from_name("gpt-tiny")
     plan = fxmem.plan(model, models.example_inputs("gpt-tiny"), budget_gb=None)
+    plan = dataclasses.replace(plan, budget_bytes=2 * plan.baseline_peak_bytes)
     assert eager_plan(plan, plan.baseline_peak_bytes) is None
     eager = eager_plan(plan, plan.baseline_peak_bytes - 1)
     assert eager.runs_eagerly and eager.predicted_peak_bytes == plan.baseline_peak_bytes - 1
+    tight = dataclasses.replace(plan, budget_bytes=plan.baseline_peak_bytes)  # no room for the margin
+    assert eager_plan(tight, plan.baseline_peak_bytes - 1) is None
     assert not eager.recompute and eager.extra_flops == 0
     again = fxmem.Plan.from_json(eager.to_json())
     assert again.runs_eagerly
@@ -63,7 +67,8 @@ def test_a_saved_eager_plan_runs_eagerly_when_applied():
     model = models.from_name("gpt-tiny")
     inputs = models.example_inputs("gpt-tiny")
     plan = fxmem.plan(model, inputs, budget_gb=None)
-    eager = eager_plan(plan, plan.baseline_peak_bytes - 1)
+    eager = eager_plan(dataclasses.replace(plan, budget_bytes=2 * plan.baseline_peak_bytes),
+                       plan.baseline_peak_bytes - 1)
     optimized = fxmem.optimize(model, plan=eager)
     optimized(*inputs).backward()
     assert type(optimized._steps[next(iter(optimized._steps))]).__name__ == "EagerStep"

@@ -12,7 +12,7 @@ import torch.nn as nn
 import fxmem
 from fxmem.graph_budget import need, saved_cap
 from fxmem.measure import measure_peak_bytes
-from fxmem.planner import safety_bytes
+from fxmem.margin import margin_for
 from tests.conftest import GIB, step
 
 
@@ -92,6 +92,6 @@ def test_saved_cap_leaves_later_graphs_their_least():
     shares = [GraphShare(k, "", peak, saved, None, 0) for k, (peak, saved) in enumerate([(50, 10), (40, 20), (30, 0)])]
     budget = 1 << 20
     # graph 1 needs 40 on top of graph 0's saved values, graph 2 needs 30 + the 20 graph 1 keeps
-    assert saved_cap(shares, 0, budget, earlier=0) == budget - safety_bytes(budget) - 50
-    assert saved_cap(shares, 1, budget, earlier=10) == budget - safety_bytes(budget) - 10 - 30
+    assert saved_cap(shares, 0, budget, earlier=0) == budget - margin_for("cpu").bytes_for(budget) - 50
+    assert saved_cap(shares, 1, budget, earlier=10) == budget - margin_for("cpu").bytes_for(budget) - 10 - 30
     assert saved_cap(shares, 2, budget, earlier=0) is None

@@ -56,7 +56,7 @@ def run(name, build, fractions, device):
     args = tuple(a.to(device) for a in args)
     kwargs = {k: v.to(device) for k, v in kwargs.items()}
     eager = measure_peak_bytes(copy.deepcopy(model).to(device), args, kwargs)
-    rows, least = [], None
+    rows = []
     for label in [*fractions, "least"]:
         if label == "least":
             try:

@@ -1,9 +1,11 @@
-"""The README's Quick start runs as written, and does what its comments say."""
+"""The README's Quick start runs as written and does what it says: it trains like eager PyTorch,
+its step is planned under the budget, and the step with AdamW's state measures within it."""
 from __future__ import annotations
 
 import pathlib
 import re
 
+import pytest
 import torch
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
@@ -14,13 +16,42 @@ def quick_start() -> str:
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
-def test_quick_start_runs(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
+def run_quick_start(optimize=None) -> dict:
+    """Runs the Quick start from seed 0; with `optimize`, `fxmem.optimize` is replaced by it (and the
+    plan table is not printed)."""
+    import fxmem
+
     torch.manual_seed(0)
     scope: dict = {}
-    exec(compile(quick_start(), "README.md (Quick start)", "exec"), scope)
-    plan, model = scope["plan"], scope["model"]
+    text = quick_start() if optimize is None else quick_start().replace("print(step.plan.table())", "")
+    code = compile(text, "README.md (Quick start)", "exec")
+    if optimize is None:
+        exec(code, scope)
+        return scope
+    real = fxmem.optimize
+    fxmem.optimize = optimize
+    try:
+        exec(code, scope)
+    finally:
+        fxmem.optimize = real
+    return scope
+
+
+def test_quick_start_trains_like_eager_within_its_budget(capsys):
+    pytest.importorskip("transformers")
+    from fxmem.measure import _StepTracker, training_step
+
+    planned = run_quick_start()
+    assert "predicted peak" in capsys.readouterr().out  # the table was printed
+    eager = run_quick_start(optimize=lambda model, **_: model)
+    for (name, p), (_, q) in zip(planned["model"].named_parameters(), eager["model"].named_parameters()):
+        assert torch.equal(p, q), name  # three AdamW steps through the plan equal eager's
+    step, plan, ids = planned["step"], planned["step"].plan, planned["ids"]
     assert plan.recompute and plan.predicted_peak_bytes <= plan.budget_bytes < plan.baseline_peak_bytes
-    assert (tmp_path / "plan.json").exists() and "fxmem plan for GPT" in capsys.readouterr().out
-    assert all(p.grad is not None for p in model.parameters())  # model2 and model3 trained `model`
-    assert scope["model3"].plans[0].budget_bytes == plan.budget_bytes
+    assert plan.budget_bytes == int(0.015 * 2**30) and plan.optimizer_state_bytes > 0
+    tracker = _StepTracker()  # the step, with the optimizer's state held, by an independent meter
+    tracker.track_external(step, planned["optimizer"], ids)
+    with tracker:
+        training_step(step, (), {"input_ids": ids, "labels": ids})
+    measured = max(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
+    assert measured <= plan.budget_bytes

@@ -64,7 +64,7 @@ def _llama():
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                                      use_cache=False)  # no GQA: see the README's known gaps
+                                      use_cache=False)  # no GQA: see BENCHMARKS.md's known gaps
     return transformers.LlamaForCausalLM(config), (torch.randint(0, 128, (2, 16)),)
 
 

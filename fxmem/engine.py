@@ -228,7 +228,8 @@ class OptimizedModule(ModelWrapper):
             try:
                 if step is None:
                     gm = capture(module, args, kwargs)
-                    if request.budget_bytes is not None and loss_sites(gm) or getattr(request.plan, "loss_chunks", 1) > 1:
+                    if request.chunk_loss and request.budget_bytes is not None and loss_sites(gm) \
+                            or getattr(request.plan, "loss_chunks", 1) > 1:
                         with planned_on(module, request.device):  # the loss's chunk count: planned on fake tensors
                             step = plan_with_loss_chunks(gm, request, lambda graph, req: _planned(
                                 module, graph, args, kwargs, req))[1]

@@ -6,7 +6,8 @@ costs, plans it with the loss in chunks (each a fresh copy of the graph rewritte
 where 1 chunk does not fit, the fewest of 2, 4, 8, ... that fits (bisected from the most worth making);
 where it fits by recomputing, 2 chunks when that is predicted faster. Chunking costs
 the lm head's matmul once more in backward: the plan counts it in `extra_flops` and its step time.
-Applying a plan rewrites the graph with the plan's `loss_chunks`. Writes `Plan.loss_chunks` and
+Applying a plan rewrites the graph with the plan's `loss_chunks`. Only requests with `chunk_loss`
+(`fxmem.plan`, `fxmem.optimize`) chunk: pipeline stages and device regions plan their graphs as traced. Writes `Plan.loss_chunks` and
 `Plan.numerics`; nothing to disk.
 """
 from __future__ import annotations
@@ -80,7 +81,7 @@ def plan_with_loss_chunks(gm: torch.fx.GraphModule, request: Any, plan_graph: Pl
                 f"this plan computes the loss in {chunks} chunks, but this model has no lm head -> cross-entropy "
                 "whose logits nothing else reads; make a new plan with fxmem.plan(...) for this model")
         return plan_graph(chunk_loss(copy_graph(gm), chunks), request)
-    if not sites or request.budget_bytes is None:
+    if not sites or request.budget_bytes is None or not request.chunk_loss:
         return plan_graph(gm, request)
 
     def chunked(chunks: int) -> tuple[Any, Any]:

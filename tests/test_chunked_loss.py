@@ -104,7 +104,7 @@ def test_pass_on_symbolic_trace_graph_equals_eager(chunks):
             torch.testing.assert_close(p.grad, q.grad, **TOL, msg=lambda m: f"{name}: {m}")
 
 
-def _gpt2(vocab=2000, n_embd=16):
+def _gpt2(vocab=256, n_embd=16):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=1, n_embd=n_embd, n_head=2, vocab_size=vocab, n_positions=64,
@@ -119,7 +119,7 @@ def test_sites_need_logits_nothing_else_reads():
 
     assert loss_sites(capture(OwnLossStep(model, keep_outputs=False), (ids,), {"labels": ids}))
     assert not loss_sites(capture(OwnLossStep(model, keep_outputs=True), (ids,), {"labels": ids}))
-    weighted = lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten(), weight=torch.ones(2000))  # noqa: E731
+    weighted = lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten(), weight=torch.ones(256))  # noqa: E731
     assert not loss_sites(capture(LossStep(model, weighted), (ids,), {"target": ids}))
 
 

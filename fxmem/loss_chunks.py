@@ -4,11 +4,11 @@ Reads a captured graph, its loss sites (`passes/chunked_loss.py`) and the reques
 step as it is (1 chunk) and, where that does not fit or fits only by recomputing more than the lm head
 costs, plans it with the loss in chunks (each a fresh copy of the graph rewritten by `chunk_loss`):
 where 1 chunk does not fit, the fewest of 2, 4, 8, ... that fits (bisected from the most worth making);
-where it fits by recomputing, 2 chunks when that is predicted faster. Chunking costs
-the lm head's matmul once more in backward: the plan counts it in `extra_flops` and its step time.
-Applying a plan rewrites the graph with the plan's `loss_chunks`. Only requests with `chunk_loss`
-(`fxmem.plan`, `fxmem.optimize`) chunk: pipeline stages and device regions plan their graphs as traced. Writes `Plan.loss_chunks` and
-`Plan.numerics`; nothing to disk.
+where it fits by recomputing, 2 chunks when that is predicted faster. Chunking costs the lm head's
+matmul once more in backward: the plan counts it in `extra_flops` and its step time. Applying a plan
+rewrites the graph with the plan's `loss_chunks`. Only requests with `chunk_loss` (`fxmem.plan`,
+`fxmem.optimize`) chunk: pipeline stages and device regions plan their graphs as traced. Writes
+`Plan.loss_chunks`, `Plan.loss_chunk_tokens` and `Plan.numerics`; nothing to disk.
 """
 from __future__ import annotations
 

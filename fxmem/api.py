@@ -76,7 +76,7 @@ def make_request(model: torch.nn.Module, args: tuple, kwargs: dict, *, budget: i
     return PlanRequest(budget_bytes=plan.budget_bytes if plan is not None else budget, plan=plan, device=device,
                        solver=solver, time_limit_s=time_limit_s, model=name,
                        signature=signature_of(model, args, kwargs), offload=bool(offload), pool=pool,
-                       calibrate=bool(calibrate), resident_bytes=model_state_bytes(optimizer, model))
+                       calibrate=bool(calibrate), resident_bytes=model_state_bytes(optimizer, model), chunk_loss=True)
 
 
 def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: float | None = None, *,

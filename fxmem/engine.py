@@ -30,7 +30,9 @@ from fxmem.capture import capture, data_dependent_error, describe_input, flat_gr
 from fxmem.eager_step import EagerStep, eager_peak_within, eager_plan
 from fxmem.errors import TraceError
 from fxmem.loss_boundary import step_module
+from fxmem.loss_chunks import plan_with_loss_chunks
 from fxmem.meta_device import planned_on
+from fxmem.passes.chunked_loss import loss_sites
 from fxmem.passes.dropout_backward import eager_dropout_backward
 from fxmem.plan import Plan, graph_fingerprint
 from fxmem.planner import Planner, PlanRequest
@@ -129,9 +131,15 @@ def planned_graph(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str,
         raise ValueError("no parameter requires grad: there is no training step to plan")
     with planned_on(model, request.device):  # a meta model: traced as on the device it is planned for
         gm = capture(model, args, kwargs)
-        planner = Planner(captured_as(request, gm))
-        step = CompiledStep(model, gm, planner)
-        trace_on_fakes(step, model, args, kwargs)
+        return plan_with_loss_chunks(gm, request, lambda graph, req: _planned(model, graph, args, kwargs, req))
+
+
+def _planned(model: torch.nn.Module, gm: torch.fx.GraphModule, args: Sequence[Any], kwargs: dict[str, Any],
+             request: PlanRequest) -> tuple[Plan, "CompiledStep"]:
+    """The plan for the captured graph `gm` and its step compiled on fake tensors."""
+    planner = Planner(captured_as(request, gm))
+    step = CompiledStep(model, gm, planner)
+    trace_on_fakes(step, model, args, kwargs)
     assert planner.plan is not None
     return planner.plan, step
 
@@ -220,7 +228,13 @@ class OptimizedModule(ModelWrapper):
             try:
                 if step is None:
                     gm = capture(module, args, kwargs)
-                    step = CompiledStep(module, gm, Planner(captured_as(request, gm)))
+                    if request.chunk_loss and request.budget_bytes is not None and loss_sites(gm) \
+                            or getattr(request.plan, "loss_chunks", 1) > 1:
+                        with planned_on(module, request.device):  # the loss's chunk count: planned on fake tensors
+                            step = plan_with_loss_chunks(gm, request, lambda graph, req: _planned(
+                                module, graph, args, kwargs, req))[1]
+                    else:
+                        step = CompiledStep(module, gm, Planner(captured_as(request, gm)))
                 return step, step(dict(model_state(module)), args, kwargs)  # the first call traces and plans
             except TraceError as exc:  # not one graph: Dynamo's graphs, under the same budget
                 from fxmem.dynamo_step import DynamoStep

@@ -176,6 +176,9 @@ class Plan:
     eager_peak_bytes: int | None = None  # PyTorch eager's step, MemTracker on fake tensors (fxmem.eager_meter)
     capture: str = ""  # how the step was captured: one graph (and by which tracer) or Dynamo's graph k of n
     loss: str = ""  # where the step's loss is: in the plan (loss_fn, the model's own) or outside it
+    loss_chunks: int = 1  # the loss computed in this many chunks of tokens (passes/chunked_loss.py); 1: as traced
+    loss_chunk_tokens: str = ""  # tokens per chunk, per loss site
+    numerics: str = ""  # how a rewrite changes the results' rounding against eager's (empty: it does not)
     runs_eagerly: bool = False  # PyTorch's own step, which fits the budget below fxmem's keep-all (fxmem.eager_step)
     fallback_ops: tuple[str, ...] = ()  # ops with no FLOP formula, priced by memory traffic (no FLOPs counted)
     priced_as: dict[str, str] = field(default_factory=dict)  # graph op -> the target GPU's kernel priced for it

@@ -106,6 +106,11 @@ def _step_rows(plan: Any) -> list[list[str]]:
     """Peak, budget, what every plan holds, and the cost of the plan."""
     rows = [["captured as", plan.capture]] if plan.capture else []
     rows += [["loss", plan.loss]] if plan.loss else []
+    if getattr(plan, "loss_chunks", 1) > 1:
+        rows.append(["loss chunks", f"{plan.loss_chunks} (logits made, reduced and freed per chunk of "
+                                    f"{plan.loss_chunk_tokens} tokens; backward makes them again: the lm head's "
+                                    "matmul, in the extra FLOPs)"])
+    rows += [["numerics", plan.numerics]] if getattr(plan, "numerics", "") else []
     rows.append(["eager peak (no recompute)", fmt_bytes(plan.baseline_peak_bytes)])
     if plan.eager_peak_bytes:
         rows.append(["PyTorch eager's peak", f"{fmt_bytes(plan.eager_peak_bytes)} (MemTracker on fake tensors"

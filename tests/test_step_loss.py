@@ -37,12 +37,14 @@ def _assert_same_step(reference, optimized, model, x, y):
         p.grad = None
     loss = optimized(x, target=y)
     loss.backward()
-    torch.testing.assert_close(loss, expected, atol=0, rtol=0)
+    # bit-exact, unless the plan computes the loss in chunks: then equal to float reassociation (docs/floor.md)
+    tol = dict(atol=1e-6, rtol=1e-5) if any(p.loss_chunks > 1 for p in optimized.plans) else dict(atol=0, rtol=0)
+    torch.testing.assert_close(loss, expected, **tol)
     ref = dict(reference.named_parameters())
     for name, p in model.named_parameters():
         assert (p.grad is None) == (ref[name].grad is None), name
         if p.grad is not None:
-            torch.testing.assert_close(p.grad, ref[name].grad, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(p.grad, ref[name].grad, **tol, msg=lambda m: f"{name}: {m}")
 
 
 def _hf_gpt2():

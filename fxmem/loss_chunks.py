@@ -1,0 +1,132 @@
+"""How many chunks of tokens the loss is computed in: a planner decision, priced like recompute.
+
+Reads a captured graph, its loss sites (`passes/chunked_loss.py`) and the request's budget; plans the
+step as it is (1 chunk) and, where that does not fit or fits only by recomputing more than the lm head
+costs, plans it with the loss in chunks (each a fresh copy of the graph rewritten by `chunk_loss`):
+where 1 chunk does not fit, the fewest of 2, 4, 8, ... that fits (bisected from the most worth making);
+where it fits by recomputing, 2 chunks when that is predicted faster. Chunking costs the lm head's
+matmul once more in backward: the plan counts it in `extra_flops` and its step time. Applying a plan
+rewrites the graph with the plan's `loss_chunks`. Only requests with `chunk_loss` (`fxmem.plan`,
+`fxmem.optimize`) chunk: pipeline stages and device regions plan their graphs as traced. Writes
+`Plan.loss_chunks`, `Plan.loss_chunk_tokens` and `Plan.numerics`; nothing to disk.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable
+
+import torch.fx
+
+from fxmem.errors import InfeasibleBudgetError, PlanMismatchError, fmt_bytes
+from fxmem.passes.chunked_loss import LossSite, chunk_loss, loss_sites
+
+log = logging.getLogger("fxmem")
+
+MAX_CHUNKS = 64  # more chunks lengthen the graph (each is ~20 ops a pass) for a few MiB less
+MIN_GAIN = 0.01  # chunking is not tried where the whole loss region is less than this share of the least budget
+NUMERICS = ("loss and gradients of the lm head and cross-entropy summed chunk by chunk: equal to eager's "
+            "to float reassociation")
+
+PlanGraph = Callable[[torch.fx.GraphModule, Any], tuple[Any, Any]]
+
+
+def copy_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A GraphModule with its own copy of `gm`'s graph and the same parameters, buffers and submodules."""
+    import copy
+    import warnings
+
+    with warnings.catch_warnings():  # copying export's pytree specs warns of a deprecated spec class
+        warnings.simplefilter("ignore", FutureWarning)
+        graph = copy.deepcopy(gm.graph)
+    fresh = torch.fx.GraphModule(gm, graph)
+    fresh.meta = dict(gm.meta)
+    return fresh
+
+
+def most_chunks(sites: list[LossSite]) -> int:
+    """The most chunks worth making: a power of two at which one chunk's fp32 logits are no larger than
+    the hidden states they are made from (at most `MAX_CHUNKS`, at least one token per chunk)."""
+    k = 2
+    while k < MAX_CHUNKS and any(site.vocab > k * site.hidden_size for site in sites):
+        k *= 2
+    while k > 2 and k > min(site.tokens for site in sites):
+        k //= 2
+    return k
+
+
+def chunked_plan(plan: Any, sites: list[LossSite], chunks: int, device: Any) -> Any:
+    """`plan` stating its chunk count, with the lm head's matmul done again in backward priced as extra
+    work (its FLOPs and seconds are in the chunked graph's own step; the eager step has them once)."""
+    if chunks <= 1:
+        return plan
+    flops = sum(site.lm_head_flops() for site in sites)
+    seconds = sum(device.seconds(site.lm_head_flops(), 0, site.dtype) for site in sites)
+    tokens = ", ".join(str(site.chunk_tokens(chunks)) for site in sites)
+    return dataclasses.replace(
+        plan, loss_chunks=chunks, loss_chunk_tokens=tokens, numerics=NUMERICS,
+        extra_flops=plan.extra_flops + flops, total_flops=max(0, plan.total_flops - flops),
+        baseline_step_s=max(0.0, plan.baseline_step_s - seconds))
+
+
+def plan_with_loss_chunks(gm: torch.fx.GraphModule, request: Any, plan_graph: PlanGraph) -> tuple[Any, Any]:
+    """(plan, step) for `gm` under `request`: `plan_graph(graph, request)` on the graph as captured or
+    with its loss chunked, as the budget needs (see the module docstring)."""
+    sites = loss_sites(gm)
+    given = request.plan
+    if given is not None:
+        chunks = getattr(given, "loss_chunks", 1)
+        if chunks > 1 and not sites:
+            raise PlanMismatchError(
+                f"this plan computes the loss in {chunks} chunks, but this model has no lm head -> cross-entropy "
+                "whose logits nothing else reads; make a new plan with fxmem.plan(...) for this model")
+        return plan_graph(chunk_loss(copy_graph(gm), chunks), request)
+    if not sites or request.budget_bytes is None or not request.chunk_loss:
+        return plan_graph(gm, request)
+
+    def chunked(chunks: int) -> tuple[Any, Any]:
+        plan, step = plan_graph(chunk_loss(copy_graph(gm), chunks), request)
+        step.planner.plan = plan = chunked_plan(plan, sites, chunks, request.device)
+        return plan, step
+
+    try:
+        unchunked = plan_graph(copy_graph(gm), request)
+    except InfeasibleBudgetError as exc:
+        if sum(site.region_bytes() for site in sites) < MIN_GAIN * exc.min_budget_bytes:
+            raise  # the whole loss region is less than chunking must gain: the floor is elsewhere
+        return _fewest_chunks_that_fit(chunked, most_chunks(sites), exc)
+    if unchunked[0].extra_flops <= sum(site.lm_head_flops() for site in sites):
+        return unchunked  # chunking cannot be cheaper than what this plan recomputes
+    try:  # it fits, recomputing more than the lm head costs: the fewest chunks may be faster
+        two = chunked(2)
+    except InfeasibleBudgetError:
+        return unchunked
+    return two if two[0].predicted_step_s < unchunked[0].predicted_step_s else unchunked
+
+
+def _fewest_chunks_that_fit(chunked: Callable[[int], tuple[Any, Any]], most: int,
+                            refusal: InfeasibleBudgetError) -> tuple[Any, Any]:
+    """The plan with the fewest chunks (a power of two up to `most`) that fits, where 1 chunk does not
+    (`refusal`): `most` first, then a bisection of the powers of two between; raises the refusal naming
+    the least budget with `most` chunks where even that does not fit."""
+    try:
+        best = chunked(most)
+    except InfeasibleBudgetError as exc:
+        raise _with_chunks(exc, most) if exc.min_budget_bytes < refusal.min_budget_bytes else refusal from None
+    low, high = 0, most.bit_length() - 1  # exponents: 2**low does not fit, 2**high does
+    while high - low > 1:
+        middle = (low + high) // 2
+        try:
+            best, high = chunked(2 ** middle), middle
+        except InfeasibleBudgetError as exc:
+            log.info("fxmem: loss in %d chunks: least budget %s", 2 ** middle, fmt_bytes(exc.min_budget_bytes))
+            low = middle
+    log.info("fxmem: the loss is computed in %d chunks of tokens", best[0].loss_chunks)
+    return best
+
+
+def _with_chunks(exc: InfeasibleBudgetError, chunks: int) -> InfeasibleBudgetError:
+    """`exc` saying the least budget it names has the loss computed in `chunks` chunks."""
+    exc.loss_chunks = chunks
+    exc.args = (f"{exc.args[0]} (least with the loss computed in {chunks} chunks of tokens)",)
+    return exc

@@ -106,6 +106,9 @@ def _step_rows(plan: Any) -> list[list[str]]:
     """Peak, budget, what every plan holds, and the cost of the plan."""
     rows = [["captured as", plan.capture]] if plan.capture else []
     rows += [["loss", plan.loss]] if plan.loss else []
+    rows.append(["gradients", f"resident ({plan.resident_gradients}): {fmt_bytes(plan.resident_gradient_bytes)} from "
+                 "the start, new ones added in by backward" if plan.resident_gradient_bytes else
+                 "none at the start (every .grad None, as after zero_grad())"])
     rows.append(["eager peak (no recompute)", fmt_bytes(plan.baseline_peak_bytes)])
     if plan.eager_peak_bytes:
         rows.append(["PyTorch eager's peak", f"{fmt_bytes(plan.eager_peak_bytes)} (MemTracker on fake tensors"

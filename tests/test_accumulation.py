@@ -1,0 +1,133 @@
+"""Gradient accumulation is planned: micro-batches that start with every gradient resident (accumulating,
+or zeros from `zero_grad(set_to_none=False)`) are planned with them counted, measured (MemTracker) within
+the budget on every micro-batch, and train as eager does (accumulated gradients, parameters after AdamW)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fxmem
+from fxmem import models
+from fxmem.accumulation import ACCUMULATING, ZEROS, accumulated_gradient_bytes, gradient_state
+from fxmem.measure import measure_peak_bytes
+from fxmem.step_module import LossStep
+
+MICRO_BATCHES = 4
+
+
+def cross_entropy(out, labels):
+    return torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+
+
+def tiny_gpt2():
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=256, n_positions=32, use_cache=False,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    batches = [(torch.randint(0, 256, (4, 32)),) for _ in range(MICRO_BATCHES)]
+    return model, [((ids,), {"target": ids}) for (ids,) in batches]
+
+
+def zoo_gpt():
+    torch.manual_seed(0)
+    model = models.from_name("gpt-tiny", dropout=0.0)
+    return model, [(models.example_inputs("gpt-tiny", 4, seed=s), {}) for s in range(MICRO_BATCHES)]
+
+
+def scalar(out):
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def micro_step(module, inputs, kwargs):
+    scalar(module(*inputs, **kwargs)).div(MICRO_BATCHES).backward()
+
+
+def eager_peaks(model, batches, loss_fn):
+    """Eager's peak on a micro-batch with every .grad None, and on an accumulating one."""
+    eager = copy.deepcopy(model) if loss_fn is None else LossStep(copy.deepcopy(model), loss_fn)
+    inputs, kwargs = batches[0]
+    fresh = measure_peak_bytes(eager, inputs, kwargs, step=micro_step)
+    return fresh, measure_peak_bytes(eager, inputs, kwargs, step=micro_step, warmup=False, keep_grads=True)
+
+
+def train(module, batches, optimizer, measure=False, set_to_none=True):
+    """Accumulate over `batches`, then one optimizer step; the peak of each micro-batch when `measure`."""
+    peaks = []
+    for inputs, kwargs in batches:
+        if measure:
+            peaks.append(measure_peak_bytes(module, inputs, kwargs, step=micro_step, warmup=False, keep_grads=True))
+        else:
+            micro_step(module, inputs, kwargs)
+    grads = {n: p.grad.clone() for n, p in module.named_parameters()}
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=set_to_none)
+    return peaks, grads
+
+
+@pytest.fixture(scope="module", params=["transformers-gpt2", "zoo-gpt-tiny"])
+def case(request):
+    model, batches = tiny_gpt2() if request.param == "transformers-gpt2" else zoo_gpt()
+    loss_fn = cross_entropy if request.param == "transformers-gpt2" else None
+    fresh, accumulating = eager_peaks(model, batches, loss_fn)
+    return request.param, model, batches, loss_fn, fresh, accumulating
+
+
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["zero_grad", "zero_grad(set_to_none=False)"])
+def test_accumulating_micro_batches_stay_within_the_budget_and_train_as_eager(case, set_to_none):
+    name, model, batches, loss_fn, fresh, accumulating = case
+    assert accumulating > fresh  # the gradients eager holds from the second micro-batch on
+    budget = (fresh + accumulating) // 2  # eager fits its first micro-batch, not the accumulating ones
+    eager = copy.deepcopy(model)
+    optimized = fxmem.optimize(copy.deepcopy(model), budget_gb=budget / 2**30, loss_fn=loss_fn, time_limit_s=0.5)
+    reference = eager if loss_fn is None else LossStep(eager, loss_fn)
+    opt_ref = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(optimized.parameters(), lr=1e-2)
+    for _ in range(2):  # the first iteration plans each signature; the second is measured
+        train(reference, batches, opt_ref, set_to_none=set_to_none)
+        train(optimized, batches, opt, set_to_none=set_to_none)
+    _, want = train(reference, batches, opt_ref, set_to_none=set_to_none)
+    peaks, got = train(optimized, batches, opt, measure=True, set_to_none=set_to_none)
+    assert max(peaks) <= budget, f"{name}: micro-batch peaks {peaks} over the budget {budget}"
+    for key, grad in want.items():
+        torch.testing.assert_close(got[key], grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{key}: {m}")
+    for (key, p), q in zip(reference.named_parameters(), optimized.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6, msg=lambda m: f"{key}: {m}")
+    described = {plan.resident_gradients for plan in optimized.plans}
+    assert "" in described and ACCUMULATING in described  # the very first micro-batch: every .grad None
+    assert (ZEROS in described) == (not set_to_none)
+    resident = [p for p in optimized.plans if p.resident_gradients]
+    assert all(p.resident_gradient_bytes == accumulated_gradient_bytes(model) for p in resident)
+    assert all(p.predicted_peak_bytes <= budget for p in optimized.plans)
+    assert "resident (accumulating)" in next(p for p in resident if p.resident_gradients == ACCUMULATING).table()
+
+
+def test_the_refusal_names_the_accumulating_step_least_budget(case):
+    """A budget the first micro-batch fits and an accumulating one does not: the refusal comes at the
+    accumulating micro-batch, naming the gradients and the least budget for it."""
+    name, model, batches, loss_fn, fresh, _ = case
+    (inputs, kwargs), opt_args = batches[0], {"loss_fn": loss_fn, "time_limit_s": 1.0}
+    args = (*inputs,) if loss_fn is None else inputs
+    extra = {} if loss_fn is None else {"example_target": kwargs["target"]}
+    with pytest.raises(fxmem.InfeasibleBudgetError) as too_low:
+        fxmem.plan(model, args, budget_gb=1e-6, **opt_args, **extra)
+    budget = too_low.value.min_budget_bytes + accumulated_gradient_bytes(model) // 2
+    assert fxmem.plan(model, args, budget_gb=budget / 2**30, **opt_args, **extra).predicted_peak_bytes <= budget
+    with pytest.raises(fxmem.InfeasibleBudgetError, match=r"gradients resident \(accumulating\)") as refused:
+        fxmem.plan(model, args, budget_gb=budget / 2**30, accumulating=True, **opt_args, **extra)
+    assert refused.value.min_budget_bytes > budget
+
+
+def test_gradient_state_reads_which_gradients_exist_and_whether_they_are_zeros():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    assert gradient_state(model).key == () and not gradient_state(model).resident
+    model(torch.randn(3, 4)).sum().backward()
+    state = gradient_state(model)
+    assert state.description == ACCUMULATING and state.bytes == accumulated_gradient_bytes(model) == 4 * (16 + 4 + 8 + 2)
+    model.zero_grad(set_to_none=False)
+    assert gradient_state(model).description == ZEROS and gradient_state(model).key != state.key
+    model[1].weight.grad = None
+    assert gradient_state(model).present == (True, True, False, True)

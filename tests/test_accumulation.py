@@ -131,3 +131,33 @@ def test_gradient_state_reads_which_gradients_exist_and_whether_they_are_zeros()
     assert gradient_state(model).description == ZEROS and gradient_state(model).key != state.key
     model[1].weight.grad = None
     assert gradient_state(model).present == (True, True, False, True)
+
+
+def test_optimizer_step_and_zero_grad_stay_within_the_budget_on_llama():
+    """With optimizer=, forward + backward + AdamW's step (its temporaries included) + zero_grad, measured
+    by MemTracker with the optimizer tracked, stays within the budget."""
+    import transformers
+
+    from fxmem.measure import _StepTracker
+
+    config = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                      num_key_value_heads=1, vocab_size=256, use_cache=False)
+    torch.manual_seed(0)
+    model, ids = transformers.LlamaForCausalLM(config), torch.randint(0, 256, (4, 32))
+    keep_all = fxmem.plan(model, (ids,), example_kwargs={"labels": ids}, optimizer="adamw")
+    budget = int(0.9 * keep_all.predicted_peak_bytes)
+    optimized = fxmem.optimize(model, budget_gb=budget / 2**30, optimizer="adamw", time_limit_s=0.5)
+    opt = torch.optim.AdamW(optimized.parameters())
+
+    def iteration():
+        optimized(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    iteration()  # plans, and makes AdamW's state
+    tracker = _StepTracker()
+    tracker.track_external(optimized, opt, ids)
+    with tracker:
+        iteration()
+    measured = max(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
+    assert optimized.plan.recompute and optimized.plan.optimizer_state_bytes and measured <= budget, (measured, budget)

@@ -161,3 +161,35 @@ def test_optimizer_step_and_zero_grad_stay_within_the_budget_on_llama():
         iteration()
     measured = max(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
     assert optimized.plan.recompute and optimized.plan.optimizer_state_bytes and measured <= budget, (measured, budget)
+
+
+def test_a_model_planned_through_dynamo_counts_the_accumulated_gradients():
+    """A model torch.export refuses (a data-dependent label check): its Dynamo graphs share the budget less
+    the resident gradients on accumulating micro-batches, measured within it, gradients as eager's."""
+    from tests.test_dynamo_step import _LabelCheck
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x, y = _LabelCheck(d=128), torch.randn(1024, 128), torch.randint(0, 16, (1024,))
+    eager = copy.deepcopy(model)
+    fresh = measure_peak_bytes(eager, (x, y))
+    budget = (fresh + measure_peak_bytes(eager, (x, y), warmup=False, keep_grads=True)) // 2
+    optimized = fxmem.optimize(copy.deepcopy(model), budget_gb=budget / 2**30, time_limit_s=1)
+    reference = copy.deepcopy(model)
+    half = lambda m, i, k: m(*i).div(2).backward()  # noqa: E731
+    for module in (optimized, reference):  # one global batch of two micro-batches: plans both signatures
+        half(module, (x, y), {}), half(module, (x, y), {})
+        module.zero_grad()
+    peaks = []
+    for _ in range(2):
+        peaks.append(measure_peak_bytes(optimized, (x, y), warmup=False, keep_grads=True, step=half))
+        half(reference, (x, y), {})
+    assert max(peaks) <= budget, (peaks, budget)
+    for (name, p), q in zip(reference.named_parameters(), optimized.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, msg=lambda m: f"{name}: {m}")
+    plans = optimized.plans
+    assert {p.resident_gradients for p in plans} == {"", ACCUMULATING}
+    assert all(p.capture.startswith("Dynamo graph") and p.predicted_peak_bytes <= budget for p in plans)
+    torch._dynamo.reset()

@@ -196,3 +196,13 @@ def test_a_model_planned_through_dynamo_counts_the_accumulated_gradients():
     assert {p.resident_gradients for p in plans} == {"", ACCUMULATING}
     assert all(p.capture.startswith("Dynamo graph") and p.predicted_peak_bytes <= budget for p in plans)
     torch._dynamo.reset()
+
+
+def test_a_given_plan_made_without_gradients_warns_when_accumulating_takes_it_over_its_budget():
+    torch.manual_seed(0)
+    model, (x, y) = models.from_name("mlp-tiny"), models.example_inputs("mlp-tiny")
+    plan = fxmem.plan(model, (x, y))  # no budget: the keep-all step's peak is the plan's budget
+    optimized = fxmem.optimize(model, plan=plan)
+    optimized(x, y).backward()
+    with pytest.warns(UserWarning, match="plan= was made for a step with no gradients resident"):
+        optimized(x, y).backward()

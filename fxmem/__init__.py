@@ -24,6 +24,7 @@ _EXPORTS = {
     "FxmemError": "fxmem.errors", "InfeasibleBudgetError": "fxmem.errors", "TraceError": "fxmem.errors",
     "PlanMismatchError": "fxmem.errors",
     "estimate": "fxmem.estimate", "Estimate": "fxmem.estimate", "max_batch_size": "fxmem.capacity",
+    "fit_batch": "fxmem.batch_fit", "BatchFit": "fxmem.batch_fit",
     "check_plan": "fxmem.check", "pack_buffers": "fxmem.solve.packing", "Packing": "fxmem.solve.packing",
 }
 

@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from fxmem.accumulation import accumulating_state
 from fxmem.budget import budget_bytes, per_device_budgets
 from fxmem.capture import example_args
 from fxmem.cost import DeviceSpec, preset_for
@@ -86,7 +87,7 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
          schedule: str = "1f1b", n_microbatches: int | None = None, optimizer: str | float | None = None,
          calibrate: bool | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
          example_target: Any = None, keep_outputs: bool | None = None, eager_meter: bool = False,
-         model_loss: bool = True) -> Plan:
+         model_loss: bool = True, accumulating: bool = False) -> Plan:
     """Plan a training step of `model` on `example_inputs` under `budget_gb` without running it
     (fake tensors only). Without a budget the plan keeps everything (the eager step).
     `target` (same as `device`): the device to plan for, which need not be present; with
@@ -108,7 +109,9 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
     is planned with that loss as the step's and its other outputs returned detached, counted until backward
     ends (`keep_outputs=False`: not returned; `model_loss=False`: every output keeps its gradient); a model with no scalar loss warns that its loss is outside the plan
     (`fxmem.loss_boundary`). At a budget that covers PyTorch eager's peak where fxmem's keep-all step would
-    hold more, the plan runs eagerly (`fxmem.eager_step`)."""
+    hold more, the plan runs eagerly (`fxmem.eager_step`). `accumulating`: plan a micro-batch that
+    accumulates into existing gradients (every trainable parameter's `.grad` resident from the start,
+    `fxmem.accumulation`), as the second and later micro-batches of gradient accumulation run."""
     args, kwargs = example_args(example_inputs), dict(example_kwargs or {})
     if loss_fn is not None:
         model, kwargs = LossStep(model, loss_fn, bool(keep_outputs)), {**kwargs, "target": example_target}
@@ -125,7 +128,13 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
     request = make_request(model, args, kwargs, budget=budget, device=spec,
                            solver=solver, time_limit_s=check_time_limit(time_limit_s), offload=offload, pool=pool,
                            calibrate=calibrate, optimizer=None if num_stages is not None else optimizer)
-    request = replace(request, loss=loss)
+    grads = accumulating_state(model) if accumulating and num_stages is None else None
+    request = replace(request, loss=loss, resident_gradient_bytes=grads.bytes if grads else 0,
+                      resident_gradients=grads.description if grads else "")
+    resident = request.resident_bytes + request.resident_gradient_bytes
+    if num_stages is not None and accumulating:
+        raise ValueError("accumulating=True plans one device's accumulating micro-batch; pipeline stages "
+                         "(num_stages=) accumulate over their microbatches already")
     if num_stages is not None and (offload or pool):
         raise ValueError("num_stages= plans pipeline stages; offload= and pool= apply to one device's step, "
                          "not yet to pipeline stages")
@@ -135,11 +144,11 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
             return plan_pipeline(model, args, kwargs, request,
                                  PipelineRequest(num_stages, schedule, n_microbatches, optimizer))
         made = plan_step(model, args, kwargs, request)
-        eager = eager_peak_within(model, args, kwargs, budget, request.resident_bytes)
+        eager = eager_peak_within(model, args, kwargs, budget, resident)
         made = (eager_plan(made, eager) if eager is not None else None) or made
         if eager_meter and not made.runs_eagerly:
             measured = eager_peak_bytes(model, args, kwargs)
-            made = replace(made, eager_peak_bytes=None if measured is None else measured + request.resident_bytes)
+            made = replace(made, eager_peak_bytes=None if measured is None else measured + resident)
         return made
 
 

@@ -26,6 +26,8 @@ examples:
   fxmem-plan gpt2 --budget-gb 6 --batch-size 8 --seq-len 512 --dtype bf16 --target h100
                                                     bf16 autocast, time priced for an H100
   fxmem-plan gpt-small --budget-gb 2 --max-batch    largest batch that fits at <= 10% predicted overhead
+  fxmem-plan gpt-small --budget-gb 1 --global-batch 64
+                                                    micro-batch x accumulation steps = 64, fastest under 1 GiB
   fxmem-plan gpt-small --batch-size 64 --check gpt.plan.json
                                                     does a saved plan still apply to this model/shape/torch?
   fxmem-plan gpt-tiny --budget-gb 0.003 --stages 2 --microbatches 4 --out pipe.plan.json
@@ -100,6 +102,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --max-batch: most predicted extra step time, fraction (default 0.1)")
     p.add_argument("--batch-multiple", type=_positive, default=1,
                    help="with --max-batch: only try multiples of this batch size (default 1)")
+    p.add_argument("--global-batch", type=_positive, help="choose the micro-batch size (a divisor of N) and "
+                   "gradient accumulation steps with the best predicted throughput under --budget-gb")
     p.add_argument("--check", metavar="PLAN_JSON", help="check that a saved plan applies to MODEL at this "
                    "batch/shape/dtype and torch version; print what differs")
     p.add_argument("--quiet", action="store_true", help="no progress output on stderr")
@@ -357,6 +361,14 @@ def run(args: argparse.Namespace) -> None:
                 raise CliError(f"not even batch {start} fits {args.budget_gb} GiB at "
                                f"<= {100 * args.max_overhead:.0f}% overhead: {found.trials[0].reason}")
             return _write(args, found.plan)
+        if args.global_batch:
+            from fxmem.batch_fit import fit_global_batch
+
+            with Progress(f"weighing micro-batches of {args.model} under {args.budget_gb} GiB",
+                          time_limit_s=args.time_limit, quiet=args.quiet):
+                fit = _call_plan(fit_global_batch, make, args.global_batch, args.budget_gb, **kwargs)
+            print(fit.table() + "\n")
+            return _write(args, fit.plans[-1])
         with Progress(f"planning {what} under {args.budget_gb} GiB", time_limit_s=args.time_limit,
                       quiet=args.quiet):
             try:

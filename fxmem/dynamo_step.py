@@ -24,11 +24,12 @@ import torch
 from fxmem.backend import compile_graph, ledger_for, open_ledger, plans_for
 from fxmem.budget import budget_bytes
 from fxmem.capture import untouched
-from fxmem.errors import GIB, FxmemError, TraceError
+from fxmem.errors import GIB, FxmemError, InfeasibleBudgetError, TraceError
 from fxmem.graph_budget import ProbePlanner, shares_for
 from fxmem.ledger import Ledger, survey_step
 from fxmem.plan import Plan
 from fxmem.planner import PlanRequest
+from fxmem.resident import refusal_with_resident, resident_parts, with_resident
 
 log = logging.getLogger("fxmem")
 
@@ -59,7 +60,13 @@ class DynamoStep:
         if request.plan is not None or request.offload or request.pool or request.resident_bytes:
             raise TraceError(reason.construct, reason.fix + "; plan=, offload=, pool= and optimizer= need the "
                              "model captured as one graph (without them fxmem.optimize plans it through Dynamo)")
-        self.options = {"budget_gb": request.budget_bytes / GIB, "inner": "aot_eager", "device": request.device,
+        # gradients resident from the start (accumulation): the graphs share the budget less them
+        self.resident = resident_parts(0, request.resident_gradient_bytes, request.resident_gradients)
+        self.budget, self.gradients = request.budget_bytes, request.resident_gradients
+        if self.resident and self.budget <= sum(self.resident.values()):
+            raise InfeasibleBudgetError(self.budget, sum(self.resident.values()) + 1, self.resident)
+        self.options = {"budget_gb": (self.budget - sum(self.resident.values())) / GIB, "inner": "aot_eager",
+                        "device": request.device,
                         "time_limit_s": request.time_limit_s, "solver": request.solver}
         self.reason, self.warned, self.model, self.name = reason, False, model, request.model
         self.compiled = torch.compile(model, backend="fxmem", options=self.options)
@@ -68,21 +75,32 @@ class DynamoStep:
 
     @property
     def plans(self) -> list[Plan]:
-        """One plan per graph Dynamo captured, in order."""
-        return plans_for(self.options)
+        """One plan per graph Dynamo captured, in order (with resident gradients, stated for the whole budget)."""
+        plans = plans_for(self.options)
+        if not self.resident:
+            return plans
+        return [dataclasses.replace(with_resident(p, self.resident, self.budget), resident_gradients=self.gradients)
+                for p in plans]
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         ledger = ledger_for(self.options)
         if ledger is None and torch.is_grad_enabled():  # the first step: learn which graphs use which parameters
             survey = survey_step(self.model, args, kwargs)  # and what each graph needs at least
             probes = probe_step(self.model, args, kwargs, self.options, survey, self.name)
-            shares = shares_for(probes, budget_bytes(self.options["budget_gb"]))
+            try:
+                shares = shares_for(probes, budget_bytes(self.options["budget_gb"]))
+            except InfeasibleBudgetError as exc:
+                if not self.resident:
+                    raise
+                raise refusal_with_resident(exc, self.resident, self.budget) from None
             ledger = open_ledger(self.options, self.model, survey, self.name, shares)
         before = [r.calls for r in ledger.records] if ledger is not None else []
         try:
             out = self.compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as exc:  # fxmem's own refusal, as the one-graph path says it
             inner = getattr(exc, "inner_exception", None)
+            if isinstance(inner, InfeasibleBudgetError) and self.resident:
+                raise refusal_with_resident(inner, self.resident, self.budget) from None
             if isinstance(inner, FxmemError):
                 raise inner from None
             raise

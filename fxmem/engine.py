@@ -26,6 +26,7 @@ from torch._functorch.partitioners import default_partition
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 
 from fxmem import backward_autocast as bwa
+from fxmem.accumulation import GradientState, gradient_state
 from fxmem.capture import capture, data_dependent_error, describe_input, flat_graph_inputs, structure_outputs
 from fxmem.eager_step import EagerStep, eager_peak_within, eager_plan
 from fxmem.errors import TraceError
@@ -194,7 +195,8 @@ class OptimizedModule(ModelWrapper):
         model = self.fxmem_model
         if not torch.is_grad_enabled():
             return model(*args, **kwargs)
-        key = _cache_key(model, args, kwargs)
+        grads = gradient_state(model)  # accumulating micro-batches are planned with their gradients resident
+        key = (*_cache_key(model, args, kwargs), grads.key)
         ran = self._backward_ran.get(key)  # where this signature's backward ran last (None: not yet)
         object.__setattr__(self, "_last", (key, ran))
         step = self._steps.get((key, ran))
@@ -202,7 +204,7 @@ class OptimizedModule(ModelWrapper):
             forward = bwa.live_state()
             backward = bwa.traced_state(forward) if ran is None else ran
             with torch._functorch.config.patch(backward_pass_autocast=bwa.config_for(backward, forward)):
-                step, out = self._plan(model, args, kwargs)
+                step, out = self._plan(model, args, kwargs, grads)
             self._steps[(key, ran)] = step
             if isinstance(step, CompiledStep):
                 step.forward_autocast, step.traced_backward = forward, backward
@@ -215,11 +217,14 @@ class OptimizedModule(ModelWrapper):
             bwa.watch_backward(out, lambda state: self._saw_backward(key, step, state, args, kwargs))
         return out
 
-    def _plan(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[Any, Any]:
-        """A new step for this input signature, and the output of its first call (which traces and plans)."""
+    def _plan(self, model: torch.nn.Module, args: tuple, kwargs: dict, grads: GradientState) -> tuple[Any, Any]:
+        """A new step for this input signature and the gradients resident at its start, and the output of its
+        first call (which traces and plans)."""
         module, loss = step_module(model, args, kwargs, *self._loss_options) if self._loss_options \
             else (model, "")
-        request = dataclasses.replace(self._make_request(module, args, kwargs), loss=loss)
+        request = dataclasses.replace(self._make_request(module, args, kwargs), loss=loss,
+                                      resident_gradient_bytes=grads.bytes, resident_gradients=grads.description)
+        _warn_unplanned_gradients(request, grads)
         log.info("fxmem: planning %s %s", request.model, request.signature)
         with planning(f"planning {request.model} {short_signature(request.signature)}", request.time_limit_s):
             step = _eager_or_planned(module, args, kwargs, request)
@@ -290,7 +295,8 @@ def _eager_or_planned(module: torch.nn.Module, args: tuple, kwargs: dict, reques
     otherwise None (the first real call plans)."""
     if request.plan is not None:
         return EagerStep(module, request.plan) if request.plan.runs_eagerly else None
-    eager = eager_peak_within(module, args, kwargs, request.budget_bytes, request.resident_bytes)
+    eager = eager_peak_within(module, args, kwargs, request.budget_bytes,
+                              request.resident_bytes + request.resident_gradient_bytes)
     if eager is None:
         return None
     try:
@@ -303,6 +309,21 @@ def _eager_or_planned(module: torch.nn.Module, args: tuple, kwargs: dict, reques
                  request.model, eager, made.baseline_peak_bytes)
         return EagerStep(module, as_eager)
     return step
+
+
+def _warn_unplanned_gradients(request: PlanRequest, grads: GradientState) -> None:
+    """A given plan made with every .grad None, applied while gradients are resident: say when the
+    gradients take the step over the plan's budget."""
+    plan = request.plan
+    if plan is None or not grads.resident or plan.resident_gradient_bytes >= grads.bytes:
+        return
+    peak = plan.predicted_peak_bytes - plan.resident_gradient_bytes + grads.bytes
+    if peak > plan.budget_bytes:
+        warnings.warn(f"fxmem: plan= was made for a step with {'no' if not plan.resident_gradient_bytes else 'fewer'} "
+                      f"gradients resident, but {grads.description} gradients of {grads.bytes / 2**20:.1f} MiB exist "
+                      f"now: this step is predicted to peak at {peak / 2**20:.1f} MiB, over the plan's budget of "
+                      f"{plan.budget_bytes / 2**20:.1f} MiB. Plan the accumulating step with fxmem.plan(..., "
+                      "accumulating=True) or let fxmem.optimize(model, budget_gb=...) plan it", stacklevel=4)
 
 
 def _cache_key(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple:

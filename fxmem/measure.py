@@ -33,13 +33,16 @@ def training_step(module: torch.nn.Module, inputs: Sequence[Any], kwargs: dict |
 
 
 def measure_peak_bytes(module: torch.nn.Module, inputs: Sequence[Any], kwargs: dict | None = None,
-                       step: Callable[..., Any] = training_step, warmup: bool = True) -> int:
-    """Peak bytes of one step, gradients set to None first (as after `zero_grad()`). With `warmup`
-    a first, unmeasured step runs before (it compiles and plans; it also trains the module once)."""
+                       step: Callable[..., Any] = training_step, warmup: bool = True, keep_grads: bool = False) -> int:
+    """Peak bytes of one step, gradients set to None first (as after `zero_grad()`); with `keep_grads`
+    the gradients are left as they are (an accumulating micro-batch: they count, and backward adds
+    into them). With `warmup` a first, unmeasured step runs before (it compiles and plans; it also
+    trains the module once)."""
     if warmup:
         step(module, inputs, kwargs)
     for p in module.parameters():
-        p.grad = None
+        if not keep_grads:
+            p.grad = None
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     if device.type == "cuda":
         return _cuda_peak(device, module, inputs, kwargs, step)
@@ -83,10 +86,11 @@ class _StepTracker(MemTracker):
 
 
 def _resident_bytes(module: torch.nn.Module, inputs: Sequence[Any], block: int = 1) -> int:
-    """Parameters, buffers and inputs allocated before the step (MemTracker counts them too), each
+    """Parameters, buffers, inputs and existing gradients allocated before the step (MemTracker counts them too), each
     rounded up to the allocator's `block` bytes."""
     seen: dict[Any, int] = {}
     tensors = list(module.parameters()) + list(module.buffers()) + [x for x in inputs if isinstance(x, torch.Tensor)]
+    tensors += [p.grad for p in module.parameters() if p.grad is not None]  # accumulated into: inside the step
     for t in tensors:
         st = t.untyped_storage()
         seen[st.data_ptr()] = st.nbytes()

@@ -173,6 +173,8 @@ class Plan:
     timing: str = ""  # where the step's times come from: the device's roofline, or measured kernels
     graph_device: str = ""  # the device type of the fake tensors the graph was traced on ("cpu", "cuda")
     optimizer_state_bytes: int = 0  # on the device for the whole step (counted in the peaks and the budget)
+    resident_gradient_bytes: int = 0  # gradients existing when the step starts (accumulation), counted so too
+    resident_gradients: str = ""  # what they are: "" (every .grad None), "accumulating", zeros (fxmem.accumulation)
     eager_peak_bytes: int | None = None  # PyTorch eager's step, MemTracker on fake tensors (fxmem.eager_meter)
     capture: str = ""  # how the step was captured: one graph (and by which tracer) or Dynamo's graph k of n
     loss: str = ""  # where the step's loss is: in the plan (loss_fn, the model's own) or outside it

@@ -45,7 +45,7 @@ from fxmem.problem import (
     recompute_cost,
     saved_set,
 )
-from fxmem.resident import refusal_with_resident, with_resident
+from fxmem.resident import refusal_with_resident, resident_parts, with_resident
 from fxmem.schedule import JointSplit, Lowered, build_problem, split_joint
 from fxmem.solve.recompute import least_peak, solve
 from fxmem.solve.solution import Solution, make_solution
@@ -82,6 +82,8 @@ class PlanRequest:
     pool: bool | str = False
     calibrate: bool = False  # time the graph's kernels on the device here (fxmem.kernel_timer)
     resident_bytes: int = 0  # on the device for the whole step besides the graphs: the optimizer's state
+    resident_gradient_bytes: int = 0  # gradients that exist when the step starts (fxmem.accumulation)
+    resident_gradients: str = ""  # what they are, for the plan's table ("accumulating", zeros)
     held_bytes: tuple[int, int] = (0, 0)  # what the step's other graphs hold during this graph's forward, backward
     capture: str = ""  # how the graph was captured, for the plan's table
     loss: str = ""  # where the step's loss is (fxmem.loss_boundary), for the plan's table
@@ -169,17 +171,23 @@ class Planner:
                           frozenset(offloaded))
 
     def _make_plan(self, joint: torch.fx.GraphModule, fingerprint: str) -> Plan:
-        """The plan for the budget less the resident bytes (`fxmem.resident`), stated for the whole budget."""
-        budget, resident = self.request.budget_bytes, self.request.resident_bytes
+        """The plan for the budget less the resident bytes (`fxmem.resident`: the optimizer's state, the
+        gradients accumulated into), stated for the whole budget."""
+        request = self.request
+        budget = request.budget_bytes
+        parts = resident_parts(request.resident_bytes, request.resident_gradient_bytes, request.resident_gradients)
+        resident = sum(parts.values())
         if not resident:
             return self._plan_within(joint, fingerprint, budget)
         if budget is not None and budget <= resident:
-            raise InfeasibleBudgetError(budget, resident + 1, {"optimizer state": resident})
+            raise InfeasibleBudgetError(budget, resident + 1, parts)
         try:
             plan = self._plan_within(joint, fingerprint, None if budget is None else budget - resident)
         except InfeasibleBudgetError as exc:
-            raise refusal_with_resident(exc, resident, budget) from None
-        return with_resident(plan, resident, budget)
+            raise refusal_with_resident(exc, parts, budget) from None
+        plan = with_resident(plan, parts, budget)
+        return dataclasses.replace(plan, resident_gradients=request.resident_gradients) \
+            if request.resident_gradient_bytes else plan
 
     def _plan_within(self, joint: torch.fx.GraphModule, fingerprint: str, budget: int | None) -> Plan:
         request = self.request

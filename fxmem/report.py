@@ -111,6 +111,9 @@ def _step_rows(plan: Any) -> list[list[str]]:
                                     f"{plan.loss_chunk_tokens} tokens; backward makes them again: the lm head's "
                                     "matmul, in the extra FLOPs)"])
     rows += [["numerics", plan.numerics]] if getattr(plan, "numerics", "") else []
+    rows.append(["gradients", f"resident ({plan.resident_gradients}): {fmt_bytes(plan.resident_gradient_bytes)} from "
+                 "the start, new ones added in by backward" if plan.resident_gradient_bytes else
+                 "none at the start (every .grad None, as after zero_grad())"])
     rows.append(["eager peak (no recompute)", fmt_bytes(plan.baseline_peak_bytes)])
     if plan.eager_peak_bytes:
         rows.append(["PyTorch eager's peak", f"{fmt_bytes(plan.eager_peak_bytes)} (MemTracker on fake tensors"

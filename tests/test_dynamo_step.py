@@ -137,26 +137,26 @@ def _transformers_cases():
 
 
 @pytest.mark.parametrize("case", range(2), ids=["deberta-v2", "wav2vec2-ctc"])
-def test_transformers_models_export_refuses_train_like_eager_at_two_budgets(case):
+def test_transformers_models_export_refuses_train_like_eager_below_eager(case):
+    """At 0.9 of eager's measured peak (the budget at eager's peak, on this path, is the label-check test's)."""
     name, model, args, kwargs = list(_transformers_cases())[case]
     model.train()
     eager = measure_peak_bytes(copy.deepcopy(model), args, kwargs)
-    for fraction in (1.0, 0.9):
-        torch._dynamo.reset()
-        reference, candidate = copy.deepcopy(model), copy.deepcopy(model)
-        budget = int(fraction * eager)
-        optimized = fxmem.optimize(candidate, budget_gb=budget / GIB, time_limit_s=2)
-        torch.testing.assert_close(step(optimized, args, kwargs).loss, step(reference, args, kwargs).loss,
-                                   atol=0, rtol=0)
-        ref = dict(reference.named_parameters())
-        for pname, p in candidate.named_parameters():
-            assert (p.grad is None) == (ref[pname].grad is None), pname
-            if p.grad is not None:
-                torch.testing.assert_close(p.grad, ref[pname].grad, atol=0, rtol=0)
-        plans = optimized.plans
-        assert len(plans) > 1 and all(p.capture.startswith("Dynamo graph") for p in plans), name
-        measured = measure_peak_bytes(optimized, args, kwargs)
-        assert measured <= budget, f"{name} at {fraction}: measured {measured} > budget {budget}"
-        # safe, and close: a graph's outputs are counted until the step ends, though Python may drop one
-        # sooner (DeBERTa's first graph returns a hidden state the loss code drops: +3%)
-        assert max(p.predicted_peak_bytes for p in plans) <= 1.05 * measured
+    fraction = 0.9
+    reference, candidate = copy.deepcopy(model), copy.deepcopy(model)
+    budget = int(fraction * eager)
+    optimized = fxmem.optimize(candidate, budget_gb=budget / GIB, time_limit_s=2)
+    torch.testing.assert_close(step(optimized, args, kwargs).loss, step(reference, args, kwargs).loss,
+                               atol=0, rtol=0)
+    ref = dict(reference.named_parameters())
+    for pname, p in candidate.named_parameters():
+        assert (p.grad is None) == (ref[pname].grad is None), pname
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, ref[pname].grad, atol=0, rtol=0)
+    plans = optimized.plans
+    assert len(plans) > 1 and all(p.capture.startswith("Dynamo graph") for p in plans), name
+    measured = measure_peak_bytes(optimized, args, kwargs)
+    assert measured <= budget, f"{name} at {fraction}: measured {measured} > budget {budget}"
+    # safe, and close: a graph's outputs are counted until the step ends, though Python may drop one
+    # sooner (DeBERTa's first graph returns a hidden state the loss code drops: +3%)
+    assert max(p.predicted_peak_bytes for p in plans) <= 1.05 * measured

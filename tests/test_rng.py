@@ -36,6 +36,19 @@ def _least(model, inputs) -> int:
     return info.value.min_budget_bytes
 
 
+def _cnn():
+    torch.manual_seed(0)
+    return _DropoutCnn().train(), (torch.randn(8, 3, 16, 16),)
+
+
+@pytest.fixture(scope="module")
+def cnn_bounds():
+    """The dropout CNN's eager peak, least budget replaying random ops and least keeping every mask,
+    planned once for the tests below."""
+    model, inputs = _cnn()
+    return fxmem.plan(model, inputs).baseline_peak_bytes, _least(model, inputs), _least_kept(model, inputs)
+
+
 @pytest.fixture
 def replays(monkeypatch):
     """How many random ops each planned step saves a state for, and replays in backward."""
@@ -52,11 +65,10 @@ def replays(monkeypatch):
     return seen
 
 
-def test_recomputed_dropout_draws_eagers_masks(replays):
-    torch.manual_seed(0)
-    model, inputs = _DropoutCnn().train(), (torch.randn(8, 3, 16, 16),)
-    eager = fxmem.plan(model, inputs).baseline_peak_bytes
-    budget = _least(model, inputs) + (eager - _least(model, inputs)) // 10
+def test_recomputed_dropout_draws_eagers_masks(replays, cnn_bounds):
+    model, inputs = _cnn()
+    eager, least, _ = cnn_bounds
+    budget = least + (eager - least) // 10
     reference = copy.deepcopy(model)
     optimized = fxmem.optimize(model, budget_gb=budget / GIB, time_limit_s=5)
     _three_steps_like_eager(reference, optimized, model, inputs)  # masks, gradients, BatchNorm stats, generator
@@ -72,13 +84,10 @@ def _after_eager_step(reference, inputs):
     return torch.get_rng_state()
 
 
-def test_dropout_models_plan_lower_than_keeping_every_mask():
+def test_dropout_models_plan_lower_than_keeping_every_mask(cnn_bounds):
     """The BatchNorm+dropout CNN could not go below about 60% of its eager peak while dropout outputs
     were kept; with replay its least budget is lower."""
-    torch.manual_seed(0)
-    model, inputs = _DropoutCnn().train(), (torch.randn(8, 3, 16, 16),)
-    kept, replayed = _least_kept(model, inputs), _least(model, inputs)
-    eager = fxmem.plan(model, inputs).baseline_peak_bytes
+    eager, replayed, kept = cnn_bounds
     assert replayed < kept
     print(f"least budget: {kept / eager:.0%} of eager keeping masks, {replayed / eager:.0%} replaying")
 
@@ -103,12 +112,11 @@ def _three_steps_like_eager(reference, optimized, model, inputs):
                 q -= 0.1 * q.grad
 
 
-def test_compile_backend_replays_dropout(replays):
+def test_compile_backend_replays_dropout(replays, cnn_bounds):
     """torch.compile(backend="fxmem") with eager kernels runs the same passes: below the least budget
     that keeps every mask, dropout is recomputed and training is eager's bit for bit."""
-    torch.manual_seed(0)
-    model, inputs = _DropoutCnn().train(), (torch.randn(8, 3, 16, 16),)
-    kept, least = _least_kept(model, inputs), _least(model, inputs)
+    model, inputs = _cnn()
+    _, least, kept = cnn_bounds
     assert least < kept
     budget = least  # the least found replaying, below the least found keeping every mask
     reference = copy.deepcopy(model)

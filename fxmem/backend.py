@@ -31,6 +31,7 @@ import torch
 from fxmem.budget import budget_bytes
 from fxmem.capture import describe_input
 from fxmem.cost import DeviceSpec, preset_for
+from fxmem.error_boundary import for_dynamo
 from fxmem.errors import GIB, InfeasibleBudgetError, TraceError
 from fxmem.graph_budget import saved_cap
 from fxmem.ledger import GraphRecord, Ledger
@@ -191,6 +192,7 @@ def _make_custom_partitioner(planner: Planner):
     return FxmemPartitioner(planner)
 
 
+@for_dynamo
 def fxmem_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None
                   ) -> Callable[..., Any]:
     """TorchDynamo backend: plan each captured graph's training step under `options["budget_gb"]`.

@@ -15,6 +15,7 @@ from tabulate import tabulate
 
 from fxmem.capture import example_args
 from fxmem.engine import plan_step, signature_of
+from fxmem.error_boundary import public
 from fxmem.errors import fmt_bytes
 from fxmem.optimizer_state import state_bytes, unique_bytes
 from fxmem.planner import PlanRequest
@@ -65,6 +66,7 @@ class Estimate:
         return f"{head}\n\n{summary}\n\nlargest activations by module\n{largest}"
 
 
+@public
 def estimate(model: torch.nn.Module, example_inputs: Sequence[Any] = (),
              optimizer: torch.optim.Optimizer | None = None, *,
              example_kwargs: dict[str, Any] | None = None) -> Estimate:

@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from fxmem.budget import budget_bytes, per_device_budgets
+from fxmem.call_check import check_model, check_solver
 from fxmem.capture import example_args
 from fxmem.cost import DeviceSpec, preset_for
 from fxmem.eager_meter import eager_peak_bytes
@@ -74,6 +75,7 @@ def make_request(model: torch.nn.Module, args: tuple, kwargs: dict, *, budget: i
     if calibrate is None:
         calibrate = model_device(model).type == "cuda"
     name = getattr(model, "display_name", type(model).__qualname__)
+    check_solver(solver)
     return PlanRequest(budget_bytes=plan.budget_bytes if plan is not None else budget, plan=plan, device=device,
                        solver=solver, time_limit_s=time_limit_s, model=name,
                        signature=signature_of(model, args, kwargs), offload=bool(offload), pool=pool,
@@ -111,6 +113,7 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
     ends (`keep_outputs=False`: not returned; `model_loss=False`: every output keeps its gradient); a model with no scalar loss warns that its loss is outside the plan
     (`fxmem.loss_boundary`). At a budget that covers PyTorch eager's peak where fxmem's keep-all step would
     hold more, the plan runs eagerly (`fxmem.eager_step`)."""
+    check_model(model)
     args, kwargs = example_args(example_inputs), dict(example_kwargs or {})
     if loss_fn is not None:
         model, kwargs = LossStep(model, loss_fn, bool(keep_outputs)), {**kwargs, "target": example_target}
@@ -166,7 +169,9 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
     `model(...).loss.backward()` does, planned from its loss, other outputs returned detached
     (`keep_outputs=False`: the loss alone); `model_loss=False` keeps a gradient on every output (see `plan`). The optimized module's `.plan` is
     the plan of the input signature it saw last, `.plans` all of them."""
+    check_model(model)
     check_pool(pool)
+    check_solver(solver)
     refuse_meta_model(model)
     if loss_fn is not None:
         model = LossStep(model, loss_fn, bool(keep_outputs))

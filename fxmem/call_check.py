@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fxmem.capture import describe_input
 from fxmem.errors import CallError
 
-HOW = "a step planned with loss_fn= is called as opt(*inputs, target=y)"
+HOW = "a step planned with loss_fn= is called as opt(*inputs, target=y) (fxmem.plan: example_target=y)"
 
 
 def outputs_on_fakes(model: torch.nn.Module, args: tuple, kwargs: dict,
@@ -34,6 +34,22 @@ def outputs_on_fakes(model: torch.nn.Module, args: tuple, kwargs: dict,
             return then(out) if then is not None else out
 
 
+def check_model(model: Any) -> None:
+    """fxmem plans the training step of a module: anything else is refused in one line."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+
+
+def check_solver(solver: Any) -> str:
+    """`solver` is "auto" or a name in `fxmem.solve.recompute.SOLVERS`, checked before planning (at a budget
+    that keeps everything no solver runs, and a misspelt name would pass unnoticed)."""
+    from fxmem.solve.recompute import SOLVERS
+
+    if solver != "auto" and solver not in SOLVERS:
+        raise ValueError(f"unknown solver {solver!r}; choose one of: auto, {', '.join(sorted(SOLVERS))}")
+    return solver
+
+
 def check_call(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """Refuse, before anything is traced, a call whose inputs `model`'s forward cannot take; for a
     `loss_fn` step (`fxmem.step_module.LossStep`) called without `target=`, one whose model or loss_fn
@@ -43,7 +59,7 @@ def check_call(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     inputs = {k: v for k, v in kwargs.items() if k != "target"} if loss_fn is not None else kwargs
     name = getattr(model, "display_name", type(model).__qualname__)
     call = f"{name} called with ({', '.join([describe_input(a) for a in args] + [f'{k}=...' for k in kwargs])})"
-    without_target = loss_fn is not None and "target" not in kwargs
+    without_target = loss_fn is not None and kwargs.get("target") is None
     hint = f"; {HOW}" if without_target else ""
     try:
         signature = inspect.signature(inner.forward)

@@ -155,8 +155,8 @@ def _in(tb: types.TracebackType, folders: tuple[str, ...]) -> bool:
 def _internal(tb: types.TracebackType) -> bool:
     """A frame of torch, fxmem (not its model zoo), Python's standard library, or code torch generated."""
     filename = tb.tb_frame.f_code.co_filename
-    if filename.startswith("<") and tb.tb_frame.f_globals.get("__name__", "").startswith(("torch", "fxmem")):
-        return True
+    if filename.startswith("<"):  # code made with exec/eval: the user's only as a script's own (`python -c`)
+        return tb.tb_frame.f_globals.get("__name__") != "__main__"
     path = os.path.realpath(filename)
     installed = f"{os.sep}site-packages{os.sep}" in path or f"{os.sep}dist-packages{os.sep}" in path
     return path.startswith(_torch_dirs() + _fxmem_dirs()) or (path.startswith(_stdlib_dirs()) and not installed)

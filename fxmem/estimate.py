@@ -7,6 +7,7 @@ Returns a frozen `Estimate`; writes nothing.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -19,6 +20,7 @@ from fxmem.engine import plan_step, signature_of
 from fxmem.error_boundary import public
 from fxmem.errors import fmt_bytes
 from fxmem.loss_boundary import step_module
+from fxmem.meta_device import planned_on
 from fxmem.optimizer_state import model_state_bytes, unique_bytes
 from fxmem.planner import PlanRequest
 from fxmem.step_module import LossStep
@@ -88,10 +90,11 @@ def estimate(model: torch.nn.Module, example_inputs: Sequence[Any] = (),
         module, kwargs = LossStep(model, loss_fn), {**kwargs, "target": example_target}
     elif example_target is not None:
         raise ValueError("example_target= goes with loss_fn=")
-    module, loss = step_module(module, args, kwargs, model_loss)
+    request = PlanRequest(signature=signature_of(model, args, kwargs))
+    with planned_on(model, request.device):  # a meta model's outputs are read on the device it is planned for
+        module, loss = step_module(module, args, kwargs, model_loss)
     name = getattr(module, "display_name", type(model).__qualname__)
-    eager = plan_step(module, args, kwargs, PlanRequest(model=name, signature=signature_of(model, args, kwargs),
-                                                        loss=loss))
+    eager = plan_step(module, args, kwargs, dataclasses.replace(request, model=name, loss=loss))
     params = [p for p in model.parameters()]
     leaves = torch.utils._pytree.tree_leaves((args, kwargs))
     by_module: dict[str, int] = {}

@@ -14,11 +14,13 @@ import torch
 
 from fxmem.accumulation import accumulating_state
 from fxmem.budget import budget_bytes, per_device_budgets
+from fxmem.call_check import check_model, check_solver
 from fxmem.capture import example_args
 from fxmem.cost import DeviceSpec, preset_for
 from fxmem.eager_meter import eager_peak_bytes
 from fxmem.eager_step import eager_peak_within, eager_plan
 from fxmem.engine import OptimizedModule, plan_step, signature_of
+from fxmem.error_boundary import public
 from fxmem.loss_boundary import step_module
 from fxmem.meta_device import planned_on, refuse_meta_model
 from fxmem.optimizer_state import model_state_bytes
@@ -74,12 +76,14 @@ def make_request(model: torch.nn.Module, args: tuple, kwargs: dict, *, budget: i
     if calibrate is None:
         calibrate = model_device(model).type == "cuda"
     name = getattr(model, "display_name", type(model).__qualname__)
+    check_solver(solver)
     return PlanRequest(budget_bytes=plan.budget_bytes if plan is not None else budget, plan=plan, device=device,
                        solver=solver, time_limit_s=time_limit_s, model=name,
                        signature=signature_of(model, args, kwargs), offload=bool(offload), pool=pool,
                        calibrate=bool(calibrate), resident_bytes=model_state_bytes(optimizer, model), chunk_loss=True)
 
 
+@public
 def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: float | None = None, *,
          example_kwargs: dict[str, Any] | None = None, device: DeviceSpec | str | None = None,
          solver: str = "auto", time_limit_s: float = 10.0, offload: bool = False,
@@ -112,6 +116,7 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
     hold more, the plan runs eagerly (`fxmem.eager_step`). `accumulating`: plan a micro-batch that
     accumulates into existing gradients (every trainable parameter's `.grad` resident from the start,
     `fxmem.accumulation`), as the second and later micro-batches of gradient accumulation run."""
+    check_model(model)
     args, kwargs = example_args(example_inputs), dict(example_kwargs or {})
     if loss_fn is not None:
         model, kwargs = LossStep(model, loss_fn, bool(keep_outputs)), {**kwargs, "target": example_target}
@@ -152,6 +157,7 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
         return made
 
 
+@public
 def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Plan | None = None,
              device: DeviceSpec | str | None = None, solver: str = "auto",
              time_limit_s: float = 10.0, offload: bool = False, target: DeviceSpec | str | None = None,
@@ -172,7 +178,9 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
     `model(...).loss.backward()` does, planned from its loss, other outputs returned detached
     (`keep_outputs=False`: the loss alone); `model_loss=False` keeps a gradient on every output (see `plan`). The optimized module's `.plan` is
     the plan of the input signature it saw last, `.plans` all of them."""
+    check_model(model)
     check_pool(pool)
+    check_solver(solver)
     refuse_meta_model(model)
     if loss_fn is not None:
         model = LossStep(model, loss_fn, bool(keep_outputs))

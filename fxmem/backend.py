@@ -31,6 +31,7 @@ import torch
 from fxmem.budget import budget_bytes
 from fxmem.capture import describe_input
 from fxmem.cost import DeviceSpec, preset_for
+from fxmem.error_boundary import for_dynamo
 from fxmem.errors import GIB, InfeasibleBudgetError, TraceError
 from fxmem.graph_budget import saved_cap
 from fxmem.ledger import GraphRecord, Ledger
@@ -55,6 +56,7 @@ def open_ledger(options: dict, model: torch.nn.Module | None = None, survey: lis
     with _LOCK:
         ledger = Ledger(budget_bytes(_validate(options)["budget_gb"]), model=model, survey=survey,
                         model_name=model_name, shares=shares)
+        _LEDGERS.pop(id(options), None)  # the newest ledger last (plans_for by value finds it first)
         _LEDGERS[id(options)] = (options, ledger)
     return ledger
 
@@ -66,8 +68,12 @@ def ledger_for(options: dict) -> Ledger | None:
 
 
 def plans_for(options: dict) -> list[Plan]:
-    """The plans made so far for the torch.compile call made with this `options` dict, in order."""
+    """The plans made so far for the torch.compile call made with `options`, in order: that very dict, or
+    else an equal one (`{"budget_gb": 2.0}` written again); of several calls with equal options, the last."""
     ledger = ledger_for(options)
+    if ledger is None:
+        with _LOCK:
+            ledger = next((led for made, led in reversed(list(_LEDGERS.values())) if made == options), None)
     return ledger.plans if ledger is not None else []
 
 
@@ -191,6 +197,7 @@ def _make_custom_partitioner(planner: Planner):
     return FxmemPartitioner(planner)
 
 
+@for_dynamo
 def fxmem_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None
                   ) -> Callable[..., Any]:
     """TorchDynamo backend: plan each captured graph's training step under `options["budget_gb"]`.
@@ -207,6 +214,7 @@ def fxmem_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], optio
         entry = _LEDGERS.get(id(options))
         if entry is None or entry[0] is not options:
             entry = (options, Ledger(budget))
+            _LEDGERS.pop(id(options), None)
             _LEDGERS[id(options)] = entry
         ledger = entry[1]
     return compile_graph(gm, example_inputs, options, ledger,

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from fxmem.api import plan as make_plan
+from fxmem.error_boundary import public
 from fxmem.errors import InfeasibleBudgetError
 from fxmem.plan import Plan
 
@@ -99,6 +100,7 @@ def batch_search(factory: Factory, budget_gb: float, max_overhead: float = 0.1, 
     return Capacity(batch, plan, tuple(t for t, _ in trials.values()), max_overhead)
 
 
+@public
 def max_batch_size(factory: Factory, budget_gb: float, max_overhead: float = 0.1, **kwargs: Any) -> int:
     """The largest batch size whose plan fits `budget_gb` with predicted overhead <= `max_overhead`
     (0 when even `min_batch` does not). See `batch_search` for the trials and the plan."""

@@ -22,12 +22,14 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fxmem.cost import module_path
+from fxmem.error_boundary import public
 from fxmem.errors import FxmemError, TraceError
 from fxmem.torch_output import held_output
 
 METHODS = ("auto", "symbolic_trace", "export")
 
 
+@public
 def capture(model: torch.nn.Module, example_inputs: Sequence[Any] = (),
             example_kwargs: dict[str, Any] | None = None, *, method: str = "auto") -> torch.fx.GraphModule:
     """Capture `model` as a GraphModule whose parameters and buffers are the model's own tensors.

@@ -380,6 +380,18 @@ def run(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The exit status: 0, 2 on an error (said in one line), 130 interrupted, 141 when the reader of
+    the output left (`fxmem-plan --list-models | head`: stop quietly, as Unix tools do on SIGPIPE)."""
+    try:
+        status = _main(argv)
+        sys.stdout.flush()  # here, not at exit, so that a reader gone is seen here
+        return status
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
+        return 141
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.list_models:
@@ -393,6 +405,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         run(args)
+    except BrokenPipeError:
+        raise
     except (CliError, FxmemError, ValueError, KeyError, OSError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"fxmem-plan: {message}", file=sys.stderr)

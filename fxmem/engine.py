@@ -29,6 +29,7 @@ from fxmem import backward_autocast as bwa
 from fxmem.accumulation import GradientState, gradient_state
 from fxmem.capture import capture, data_dependent_error, describe_input, flat_graph_inputs, structure_outputs
 from fxmem.eager_step import EagerStep, eager_peak_within, eager_plan
+from fxmem.error_boundary import public
 from fxmem.errors import TraceError
 from fxmem.loss_boundary import step_module
 from fxmem.loss_chunks import plan_with_loss_chunks
@@ -191,6 +192,7 @@ class OptimizedModule(ModelWrapper):
         step = self._steps.get(getattr(self, "_last", None))
         return step.plans[-1] if step is not None and step.plans else None
 
+    @public
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         model = self.fxmem_model
         if not torch.is_grad_enabled():

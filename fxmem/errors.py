@@ -71,6 +71,10 @@ class TraceError(FxmemError, RuntimeError):
         super().__init__(msg)
 
 
+class CallError(FxmemError, TypeError):
+    """A planned step was called with inputs its model (or its `loss_fn`) does not take."""
+
+
 class PlanMismatchError(FxmemError, ValueError):
     """A plan was applied to a model, input signature or version it was not made for."""
 

@@ -7,23 +7,29 @@ Returns a frozen `Estimate`; writes nothing.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from tabulate import tabulate
 
+from fxmem.call_check import check_model
 from fxmem.capture import example_args
 from fxmem.engine import plan_step, signature_of
+from fxmem.error_boundary import public
 from fxmem.errors import fmt_bytes
-from fxmem.optimizer_state import state_bytes, unique_bytes
+from fxmem.loss_boundary import step_module
+from fxmem.meta_device import planned_on
+from fxmem.optimizer_state import model_state_bytes, unique_bytes
 from fxmem.planner import PlanRequest
+from fxmem.step_module import LossStep
 
 
 @dataclass(frozen=True)
 class Estimate:
     """Bytes of one training step as fxmem runs it with nothing recomputed (AOTAutograd's forward and
-    backward graphs; eager PyTorch saves some values differently: its measured peak is 12% higher on gpt-tiny).
+    backward graphs; eager PyTorch saves some values differently: its measured peak may be higher).
     `activations` are the values saved for backward; `peak_step` is the simulated peak of
     forward+backward (parameters, inputs, gradients and activations included); `total` adds the
     optimizer state, alive across steps."""
@@ -39,6 +45,7 @@ class Estimate:
     activations: int
     peak_step: int
     by_module: tuple[tuple[str, int], ...]  # (module path, saved activation bytes), largest first
+    loss: str = ""  # where the step's loss is (the plan table's "loss" row): loss_fn, the model's `loss`, outside
 
     @property
     def total(self) -> int:
@@ -57,7 +64,7 @@ class Estimate:
         ]
 
     def table(self, top: int = 10) -> str:
-        head = f"fxmem estimate for {self.model} {self.signature}"
+        head = f"fxmem estimate for {self.model} {self.signature}" + (f"\nloss: {self.loss}" if self.loss else "")
         summary = tabulate(self.rows(), headers=["memory", "size"], tablefmt="simple")
         share = lambda b: f"{100.0 * b / self.activations:.1f}%" if self.activations else "-"  # noqa: E731
         modules = [[name or "(top level)", fmt_bytes(nbytes), share(nbytes)] for name, nbytes in self.by_module[:top]]
@@ -65,14 +72,29 @@ class Estimate:
         return f"{head}\n\n{summary}\n\nlargest activations by module\n{largest}"
 
 
+@public
 def estimate(model: torch.nn.Module, example_inputs: Sequence[Any] = (),
-             optimizer: torch.optim.Optimizer | None = None, *,
-             example_kwargs: dict[str, Any] | None = None) -> Estimate:
+             optimizer: torch.optim.Optimizer | str | float | None = None, *,
+             example_kwargs: dict[str, Any] | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+             example_target: Any = None, model_loss: bool = True) -> Estimate:
     """The memory breakdown of one eager training step of `model` on `example_inputs`, from fake
-    tensors: nothing runs. Under `torch.autocast` the activations have autocast's dtypes."""
+    tensors: nothing runs. Under `torch.autocast` the activations have autocast's dtypes.
+    The step is the one `fxmem.plan` plans: with `loss_fn`, `loss_fn(model(*inputs), example_target)`
+    (the logits, their log-softmax and gradients counted); without it, a model with a scalar `loss`
+    output (transformers' `labels=`) is the step up to that loss (`fxmem.loss_boundary`).
+    `optimizer`: an optimizer, a name such as "adamw", or state bytes per parameter byte."""
+    check_model(model)
     args, kwargs = example_args(example_inputs), dict(example_kwargs or {})
-    eager = plan_step(model, args, kwargs, PlanRequest(model=type(model).__qualname__,
-                                                       signature=signature_of(model, args, kwargs)))
+    module: torch.nn.Module = model
+    if loss_fn is not None:
+        module, kwargs = LossStep(model, loss_fn), {**kwargs, "target": example_target}
+    elif example_target is not None:
+        raise ValueError("example_target= goes with loss_fn=")
+    request = PlanRequest(signature=signature_of(model, args, kwargs))
+    with planned_on(model, request.device):  # a meta model's outputs are read on the device it is planned for
+        module, loss = step_module(module, args, kwargs, model_loss)
+    name = getattr(module, "display_name", type(model).__qualname__)
+    eager = plan_step(module, args, kwargs, dataclasses.replace(request, model=name, loss=loss))
     params = [p for p in model.parameters()]
     leaves = torch.utils._pytree.tree_leaves((args, kwargs))
     by_module: dict[str, int] = {}
@@ -84,7 +106,17 @@ def estimate(model: torch.nn.Module, example_inputs: Sequence[Any] = (),
         parameters=unique_bytes(params), buffers=unique_bytes(list(model.buffers())),
         inputs=unique_bytes([x for x in leaves if isinstance(x, torch.Tensor)]),
         gradients=unique_bytes([p for p in params if p.requires_grad]),
-        optimizer_state=state_bytes(optimizer),
-        optimizer=type(optimizer).__name__ if optimizer is not None else "none",
+        optimizer_state=model_state_bytes(optimizer, model),
+        optimizer=_optimizer_name(optimizer),
         activations=sum(by_module.values()), peak_step=eager.baseline_peak_bytes,
-        by_module=tuple(sorted(by_module.items(), key=lambda kv: -kv[1])))
+        by_module=tuple(sorted(by_module.items(), key=lambda kv: -kv[1])), loss=loss)
+
+
+def _optimizer_name(optimizer: Any) -> str:
+    if optimizer is None:
+        return "none"
+    if isinstance(optimizer, str):
+        return optimizer
+    if isinstance(optimizer, (int, float)):
+        return f"{optimizer:g} bytes per parameter byte"
+    return type(optimizer).__name__

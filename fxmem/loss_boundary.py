@@ -18,9 +18,8 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch._dynamo.eval_frame import _set_in_optimized_module
-from torch._subclasses.fake_tensor import FakeTensorMode
 
+from fxmem.call_check import check_call, outputs_on_fakes
 from fxmem.errors import fmt_bytes
 from fxmem.wrapper import ModelWrapper
 
@@ -93,14 +92,7 @@ def _bytes(out: Any, counted: Any) -> int:
 def find_boundary(model: torch.nn.Module, args: tuple, kwargs: dict) -> Boundary:
     """Run `model` once on fake stand-ins for its parameters, buffers and inputs and classify its output."""
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            fake = lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x  # noqa: E731
-            state = {name: fake(p.detach()).requires_grad_(p.requires_grad) for name, p in model.named_parameters()}
-            state |= {name: fake(b) for name, b in model.named_buffers()}
-            with torch.enable_grad(), _set_in_optimized_module():  # a meter around the caller keeps its modules
-                out = torch.func.functional_call(model, state, pytree.tree_map(fake, tuple(args)),
-                                                 pytree.tree_map(fake, dict(kwargs)))
-            return classify(out)
+        return classify(outputs_on_fakes(model, args, kwargs))
     except Exception as exc:  # the planner will say what fails; here only the loss's place is unknown
         log.info("fxmem: the model's outputs could not be read on fake tensors: %s", exc)
         return Boundary("unknown")
@@ -138,9 +130,11 @@ class OwnLossStep(ModelWrapper):
 
 def step_module(model: torch.nn.Module, args: tuple, kwargs: dict, model_loss: bool = True,
                 keep_outputs: bool = True) -> tuple[torch.nn.Module, str]:
-    """The module to plan for a call `model(*args, **kwargs)` and the plan table's "loss" row. With
+    """The module to plan for a call `model(*args, **kwargs)` (refused in one line where the inputs do not
+    fit: `fxmem.call_check`) and the plan table's "loss" row. With
     `model_loss` a `loss` field becomes the step's loss (logged once), the other outputs returned
     detached with `keep_outputs`; outputs with gradients and no scalar loss warn once per model."""
+    check_call(model, args, kwargs)
     if getattr(model, "fxmem_loss_fn", None) is not None:
         return model, LOSS_FN
     boundary = find_boundary(model, args, kwargs)
@@ -159,5 +153,5 @@ def step_module(model: torch.nn.Module, args: tuple, kwargs: dict, model_loss: b
             f"fxmem: {type(model).__qualname__} returns no scalar loss, so its loss is computed outside the plan: "
             f"{fmt_bytes(boundary.outside_bytes)} of outputs with gradients leave the step after forward, and what "
             "the loss makes of them (and their gradients) is not in the budget. Pass loss_fn=(outputs, target) -> "
-            "loss and call the module with target= to plan the loss too.", UserWarning, stacklevel=3)
+            "loss and call the module with target= to plan the loss too.", UserWarning, stacklevel=4)
     return model, boundary.text()

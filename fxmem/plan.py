@@ -226,10 +226,11 @@ class Plan:
         above = self.baseline_peak_bytes - floor
         return 100.0 * (self.baseline_peak_bytes - self.predicted_peak_bytes) / above if above > 0 else 0.0
 
-    def table(self, by: str = "module", all_rows: bool = False) -> str:
+    def table(self, by: str = "module", all_rows: bool = False, width: int = 120) -> str:
         """The plan as text: per module (or op) what is kept and recomputed, with totals, then a summary.
-        Modules that keep and recompute nothing are left out unless `all_rows`."""
-        return format_plan(self, by=by, all_rows=all_rows)
+        Modules that keep and recompute nothing are left out unless `all_rows`. Lines fit in `width` columns
+        (long op lists and module paths abbreviated, long summary values wrapped)."""
+        return format_plan(self, by=by, all_rows=all_rows, width=width)
 
     # ---- files -------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -15,6 +15,8 @@ from fxmem.errors import fmt_bytes
 
 MIB, KIB = 2**20, 2**10
 WIDTH = 110  # legend lines wrap here
+TABLE_WIDTH = 120  # tables fit this many columns by default (`Plan.table(width=...)`)
+OPS_WIDTH = 40  # the "ops" column's widest text before a table is narrowed to fit
 NO_BOUND_GAP = 0.9999  # a solver that proved no lower bound reports a gap of 100%
 
 
@@ -61,9 +63,29 @@ def _totals(group: list[Any]) -> tuple[int, int, int]:
     return kept, recomputed, sum(r.flops for r in group if r.decision == "recompute")
 
 
-def plan_rows(plan: Any, by: str = "module", all_rows: bool = False) -> tuple[list[list[Any]], list[str], int]:
+def op_names(ops: list[str], limit: int = OPS_WIDTH) -> str:
+    """The ops, overloads left out (`add.Tensor` -> `add`), as many as fit in `limit` characters, then `+k`."""
+    names = sorted({op.split(".")[0] for op in ops})
+    for shown in range(len(names), 0, -1):
+        text = ", ".join(names[:shown]) + (f" +{len(names) - shown}" if shown < len(names) else "")
+        if len(text) <= limit or shown == 1:
+            return text
+    return ""
+
+
+def shortened(text: str, limit: int) -> str:
+    """`text`, its middle replaced by '..' when longer than `limit` (a module path keeps both ends)."""
+    if len(text) <= limit or limit < 8:
+        return text
+    head = (limit - 2) // 2
+    return f"{text[:head]}..{text[len(text) - (limit - 2 - head):]}"
+
+
+def plan_rows(plan: Any, by: str = "module", all_rows: bool = False, ops_width: int = OPS_WIDTH
+              ) -> tuple[list[list[Any]], list[str], int]:
     """(rows with a totals row last, headers, groups not shown). Without `all_rows` only the groups that
-    keep or recompute bytes are listed. Grouped by module, a row also names the module's ops."""
+    keep or recompute bytes are listed. Grouped by module, a row also names the module's ops (as many as
+    fit in `ops_width` characters)."""
     groups = _group(plan.nodes, by)
     kept_all, rec_all, flops_all = _totals(list(plan.nodes))
     unit, scale = _units(max(kept_all, rec_all))
@@ -79,8 +101,7 @@ def plan_rows(plan: Any, by: str = "module", all_rows: bool = False) -> tuple[li
         if not all_rows and kept == 0 and recomputed == 0:
             hidden += 1
             continue
-        ops = sorted({r.op for r in group if r.op != "getitem"}) or ["getitem"]
-        label = ", ".join(ops[:4]) + (f" +{len(ops) - 4}" if len(ops) > 4 else "")
+        label = op_names([r.op for r in group if r.op != "getitem"] or ["getitem"], ops_width)
         rows.append(row(key, label, kept, recomputed, flops, _decision(group)))
     values = [r for r in plan.nodes if r.bytes > 0]
     n_rec = sum(r.decision == "recompute" for r in values)
@@ -114,11 +135,12 @@ def _step_rows(plan: Any) -> list[list[str]]:
     rows.append(["gradients", f"resident ({plan.resident_gradients}): {fmt_bytes(plan.resident_gradient_bytes)} from "
                  "the start, new ones added in by backward" if plan.resident_gradient_bytes else
                  "none at the start (every .grad None, as after zero_grad())"])
-    rows.append(["eager peak (no recompute)", fmt_bytes(plan.baseline_peak_bytes)])
-    if plan.eager_peak_bytes:
-        rows.append(["PyTorch eager's peak", f"{fmt_bytes(plan.eager_peak_bytes)} (MemTracker on fake tensors"
-                     + (")" if plan.eager_peak_bytes >= plan.baseline_peak_bytes else
-                        "; fxmem's keep-all step holds more: a budget here recomputes to meet it)")])
+    if plan.eager_peak_bytes:  # what the user runs today: the figure to compare the budget and peak with
+        rows.append(["PyTorch eager's peak", f"{fmt_bytes(plan.eager_peak_bytes)} (MemTracker on fake tensors)"])
+    keep_all = "fxmem's step with nothing recomputed; 'activation memory removed' counts from it"
+    if plan.eager_peak_bytes and plan.eager_peak_bytes < plan.baseline_peak_bytes:
+        keep_all += "; above PyTorch eager's, so a budget here recomputes to meet it"
+    rows.append(["keep-all peak", f"{fmt_bytes(plan.baseline_peak_bytes)} ({keep_all})"])
     if plan.runs_eagerly:
         rows.append(["runs", f"eagerly: PyTorch's step peaks at {fmt_bytes(plan.predicted_peak_bytes)} (MemTracker on "
                              f"fake tensors), below fxmem's keep-all step ({fmt_bytes(plan.baseline_peak_bytes)}), "
@@ -132,7 +154,7 @@ def _step_rows(plan: Any) -> list[list[str]]:
     values = [r for r in plan.nodes if r.bytes > 0]
     recomputed = sum(r.decision == "recompute" for r in values)
     rows += [
-        ["activation memory removed", f"{plan.activation_reduction_pct:.1f}% (of the eager peak above parameters, "
+        ["activation memory removed", f"{plan.activation_reduction_pct:.1f}% (of the keep-all peak above parameters, "
                                       "inputs and gradients)"],
         ["recomputed values", f"{recomputed} of the {len(values)} values backward needs "
                               f"({len(plan.recompute)} ops run again)"],
@@ -174,7 +196,7 @@ def summary_rows(plan: Any) -> list[list[str]]:
     return _step_rows(plan)
 
 
-def _legend(plan: Any, by: str) -> str:
+def _legend(plan: Any, by: str, width: int = WIDTH) -> str:
     lines = [f"kept: bytes saved for backward, per {by}; recomputed: bytes backward recomputes instead of keeping "
              "them; recompute cost: the forward work done again",
              "recompute k of n: k of the n values backward needs from this "
@@ -182,7 +204,7 @@ def _legend(plan: Any, by: str) -> str:
     if plan.solver not in ("none",) and plan.solver_status != "optimal":
         lines.append("gap: how far the plan's recompute cost may be above the least possible, as a share of it "
                      "(0% = proven optimal)")
-    return "\n".join(textwrap.fill(line, WIDTH, subsequent_indent="  ") for line in lines)
+    return "\n".join(textwrap.fill(line, width, subsequent_indent="  ") for line in lines)
 
 
 def short_signature(signature: str, limit: int = 6) -> str:
@@ -194,26 +216,57 @@ def short_signature(signature: str, limit: int = 6) -> str:
     return f"({', '.join(parts[:3])}, ... {len(parts)} inputs){rest}"
 
 
-def format_plan(plan: Any, by: str = "module", all_rows: bool = False) -> str:
+def format_plan(plan: Any, by: str = "module", all_rows: bool = False, width: int = TABLE_WIDTH) -> str:
+    """The plan's table, legend and summary, in lines of at most `width` characters (long op lists and module
+    paths abbreviated, long summary values wrapped)."""
     if by not in ("module", "op"):
         raise ValueError(f"group plan rows by 'module' or 'op', not {by!r}")
-    title = f"fxmem plan for {plan.model} {short_signature(plan.signature)}"
-    summary = tabulate(summary_rows(plan), tablefmt="simple")
+    if isinstance(width, bool) or not isinstance(width, int) or width < 60:
+        raise ValueError(f"width must be a number of columns of at least 60, got {width!r}")
+    title = textwrap.fill(f"fxmem plan for {plan.model} {short_signature(plan.signature)}", width,
+                          subsequent_indent="  ")
     sections = [title]
     if plan.pipeline:
         sections.append(format_stages(plan))
     elif plan.devices:
         sections.append(format_devices(plan))
     if all_rows or not (plan.pipeline or plan.devices):
-        rows, headers, hidden = plan_rows(plan, by, all_rows)
-        body = tabulate(rows, headers=headers, tablefmt="simple", floatfmt=",.2f")
-        lines = body.splitlines()
-        lines.insert(len(lines) - 1, lines[1])  # a rule above the totals row
+        body, hidden = _plan_table(plan, by, all_rows, width)
         note = (f"\n({hidden} {by}s that keep and recompute nothing are not shown; --all or "
                 "table(all_rows=True) lists them)") if hidden else ""
-        sections.append("\n".join(lines) + note + "\n" + _legend(plan, by))
-    sections.append(summary)
+        sections.append(body + note + "\n" + _legend(plan, by, min(WIDTH, width)))
+    sections.append(two_columns(summary_rows(plan), width))
     return "\n\n".join(sections)
+
+
+def _plan_table(plan: Any, by: str, all_rows: bool, width: int) -> tuple[str, int]:
+    """The rows' table within `width` columns where it can be: the ops column narrowed first, then the
+    first column's names (module paths) shortened in the middle. Returns (text, groups not shown)."""
+    ops_width, name_width = OPS_WIDTH, None
+    while True:
+        rows, headers, hidden = plan_rows(plan, by, all_rows, ops_width)
+        if name_width is not None:
+            rows = [[shortened(str(r[0]), name_width)] + r[1:] for r in rows]
+        body = tabulate(rows, headers=[h.replace(" (", "\n(") for h in headers], tablefmt="simple", floatfmt=",.2f")
+        excess = max(len(line) for line in body.splitlines()) - width
+        if excess > 0 and by == "module" and ops_width > 16:
+            ops_width = max(16, ops_width - excess)
+        elif excess > 0 and (name_width is None or name_width > 16):
+            name_width = max(16, (name_width or max(len(str(r[0])) for r in rows)) - excess)
+        else:
+            break
+    lines = body.splitlines()
+    rule = next(i for i, line in enumerate(lines) if line and set(line) <= {"-", " "})
+    lines.insert(len(lines) - 1, lines[rule])  # a rule above the totals row
+    return "\n".join(lines), hidden
+
+
+def two_columns(rows: list[list[str]], width: int = TABLE_WIDTH) -> str:
+    """A (label, value) table whose values wrap so that every line fits in `width` columns."""
+    if not rows:
+        return ""
+    label_width = max(len(str(r[0])) for r in rows)
+    return tabulate(rows, tablefmt="simple", maxcolwidths=[None, max(20, width - label_width - 2)])
 
 
 # ---- pipeline stages and devices -------------------------------------------------------------

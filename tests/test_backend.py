@@ -280,3 +280,13 @@ def _count_rng_saves(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(fxmem.planner.Planner, "__call__", counting)
     return seen
+
+
+def test_plans_for_finds_the_plans_by_an_equal_options_dict():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    options = {"budget_gb": 1.0, "inner": "aot_eager"}
+    torch.compile(model, backend="fxmem", options=options)(torch.randn(8, 16)).sum().backward()
+    (plan,) = plans_for(options)
+    assert plans_for({"inner": "aot_eager", "budget_gb": 1.0}) == [plan]  # written again, in another order
+    assert plans_for({"budget_gb": 2.0, "inner": "aot_eager"}) == []

@@ -66,3 +66,43 @@ def test_table_names_the_largest_modules_and_optimizer():
     assert est.total == est.peak_step + est.optimizer_state
     text = est.table()
     assert "optimizer state (AdamW)" in text and est.by_module[0][0] in text
+
+
+def _gpt2_with_loss():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=1024, n_positions=32,
+                                     bos_token_id=0, eos_token_id=0, use_cache=False)
+    return transformers.GPT2LMHeadModel(config), torch.randint(0, 1024, (4, 32))
+
+
+def _lm_loss(out, y):
+    return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1).float(), y.flatten())
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_estimate_counts_the_loss_as_eager_pytorch_runs_it(autocast):
+    """With loss_fn (and with labels=, the model's own loss) the estimate is the step with its loss region:
+    within 6% of PyTorch eager's measured peak (fxmem's keep-all step saves a little less than eager does);
+    without the loss it would leave out the logits' log-softmax and gradients (far below, under bf16)."""
+    from fxmem.step_module import LossStep
+
+    model, ids = _gpt2_with_loss()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with_loss_fn = estimate(model, (ids,), loss_fn=_lm_loss, example_target=ids)
+        eager = measure_peak_bytes(LossStep(model, _lm_loss), (ids,), {"target": ids})
+        with_labels = estimate(model, (ids,), example_kwargs={"labels": ids})
+        eager_labels = measure_peak_bytes(model, (ids,), {"labels": ids})
+    assert abs(with_loss_fn.peak_step - eager) <= 0.06 * eager, (with_loss_fn.peak_step, eager)
+    assert abs(with_labels.peak_step - eager_labels) <= 0.06 * eager_labels, (with_labels.peak_step, eager_labels)
+    assert with_loss_fn.loss.startswith("loss_fn") and with_labels.loss.startswith("the model's `loss` output")
+    logits = ids.numel() * model.config.vocab_size * 4
+    assert with_loss_fn.activations >= logits  # the log-softmax's output, saved for backward, counted
+    with pytest.raises(ValueError, match="example_target= goes with loss_fn="):
+        estimate(model, (ids,), example_target=ids)
+
+
+def test_estimate_takes_an_optimizer_by_name():
+    model, inputs = models.from_name("mlp-tiny"), models.example_inputs("mlp-tiny")
+    est = estimate(model, inputs, "adamw")
+    assert est.optimizer_state == 2 * est.parameters and "optimizer state (adamw)" in est.table()

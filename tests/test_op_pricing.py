@@ -110,7 +110,7 @@ def test_plan_for_a_gpu_names_the_kernels_it_priced():
     assert plan.priced_as == {"_scaled_dot_product_flash_attention_for_cpu": "_scaled_dot_product_flash_attention",
                               "_scaled_dot_product_flash_attention_for_cpu_backward":
                                   "_scaled_dot_product_flash_attention_backward"}
-    assert "priced as _scaled_dot_product_flash_attention" in plan.table()
+    assert "priced as _scaled_dot_product_flash_attention" in " ".join(plan.table().split())  # values wrap at 120
     assert Plan.from_json(plan.to_json()) == plan
 
 

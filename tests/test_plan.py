@@ -33,7 +33,7 @@ def test_json_round_trip(gpt_plan, tmp_path):
 def test_table_lists_modules_and_summary(gpt_plan):
     _, _, plan = gpt_plan
     text = plan.table()
-    for needle in ("blocks.0.attn", "recompute", "eager peak", "predicted peak", "budget", "solver"):
+    for needle in ("blocks.0.attn", "recompute", "keep-all peak", "predicted peak", "budget", "solver"):
         assert needle in text
     assert "native_dropout" in plan.table(by="op")
 

@@ -100,3 +100,29 @@ def test_compile_backend_verbose_names_the_signature_once(capsys):
     header = next(line for line in out.splitlines() if line.startswith("fxmem: graph 0"))
     assert "float32" not in header and "budget 1.0000 GiB for the step" in header
     assert out.count("float32[2,8]") == 1 and "inputs)" in out  # 9 inputs: the title shortens them
+
+
+def test_a_transformers_gpt2_plan_table_fits_120_columns():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=512, n_positions=32,
+                                     bos_token_id=0, eos_token_id=0, use_cache=False)
+    model, ids = transformers.GPT2LMHeadModel(config), torch.randint(0, 512, (2, 32))
+    kwargs = {"labels": ids}
+    eager = fxmem.plan(model, (ids,), example_kwargs=kwargs)
+    plan = fxmem.plan(model, (ids,), 0.85 * eager.baseline_peak_bytes / GIB, example_kwargs=kwargs, eager_meter=True,
+                      time_limit_s=2)
+    wide = dataclasses.replace(plan, loss="x " * 150, nodes=tuple(  # a longer loss text and module path than any
+        dataclasses.replace(r, module="transformer.h.0.attn.a_very_long_module_name_" + "x" * 60)
+        if r.module == "transformer.h.0.attn" else r for r in plan.nodes))
+    for shown in (plan, wide):
+        for table in (shown.table(), shown.table(by="op"), shown.table(all_rows=True)):
+            widths = [len(line) for line in table.splitlines()]
+            assert max(widths) <= 120, "\n".join(line for line in table.splitlines() if len(line) > 120)
+    text = plan.table()
+    assert "transformer.h.0.attn" in text and "native_layer_norm" in text
+    assert re.search(r"transformer\.h\.0\.\S*\.\.\S*xxxx ", wide.table())  # shortened in the middle: both ends kept
+    assert max(len(line) for line in plan.table(width=160).splitlines()) > 120  # the knob widens it
+    assert text.count("PyTorch eager's peak") == 1 and "keep-all peak" in text  # one figure to compare with
+    with pytest.raises(ValueError, match="width must be"):
+        plan.table(width=10)

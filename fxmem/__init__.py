@@ -22,7 +22,7 @@ _EXPORTS = {
     "pipeline_stage": "fxmem.pipeline", "capture": "fxmem.capture", "Plan": "fxmem.plan",
     "DeviceSpec": "fxmem.cost", "HostLink": "fxmem.cost",
     "FxmemError": "fxmem.errors", "InfeasibleBudgetError": "fxmem.errors", "TraceError": "fxmem.errors",
-    "PlanMismatchError": "fxmem.errors",
+    "PlanMismatchError": "fxmem.errors", "PolicyError": "fxmem.policies",
     "estimate": "fxmem.estimate", "Estimate": "fxmem.estimate", "max_batch_size": "fxmem.capacity",
     "check_plan": "fxmem.check", "pack_buffers": "fxmem.solve.packing", "Packing": "fxmem.solve.packing",
 }

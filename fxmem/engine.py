@@ -39,6 +39,7 @@ from fxmem.report import short_signature
 from fxmem.wrapper import ModelWrapper
 
 log = logging.getLogger("fxmem")
+ANY_BUDGET = 1 << 62  # the "speed" policy runs PyTorch's eager step wherever it holds less than fxmem's keep-all
 
 
 class _GraphRunner(torch.nn.Module):
@@ -276,7 +277,10 @@ def _eager_or_planned(module: torch.nn.Module, args: tuple, kwargs: dict, reques
     otherwise None (the first real call plans)."""
     if request.plan is not None:
         return EagerStep(module, request.plan) if request.plan.runs_eagerly else None
-    eager = eager_peak_within(module, args, kwargs, request.budget_bytes, request.resident_bytes)
+    if request.policy is not None and request.policy.name != "speed":  # the policy decides, whatever eager's peak
+        return None
+    budget = request.budget_bytes if request.policy is None else ANY_BUDGET  # "speed": eager's where it holds less
+    eager = eager_peak_within(module, args, kwargs, budget, request.resident_bytes)
     if eager is None:
         return None
     try:

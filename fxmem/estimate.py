@@ -7,6 +7,7 @@ Returns a frozen `Estimate`; writes nothing.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -39,6 +40,7 @@ class Estimate:
     activations: int
     peak_step: int
     by_module: tuple[tuple[str, int], ...]  # (module path, saved activation bytes), largest first
+    policies: tuple = ()  # fxmem.policy_table.PolicyRow per named policy (and the budget), with policies=True
 
     @property
     def total(self) -> int:
@@ -62,14 +64,23 @@ class Estimate:
         share = lambda b: f"{100.0 * b / self.activations:.1f}%" if self.activations else "-"  # noqa: E731
         modules = [[name or "(top level)", fmt_bytes(nbytes), share(nbytes)] for name, nbytes in self.by_module[:top]]
         largest = tabulate(modules, headers=["module", "saved activations", "share"], tablefmt="simple")
-        return f"{head}\n\n{summary}\n\nlargest activations by module\n{largest}"
+        text = f"{head}\n\n{summary}\n\nlargest activations by module\n{largest}"
+        if self.policies:
+            from fxmem.policy_table import format_policies
+
+            text += "\n\n" + format_policies(self.policies)
+        return text
 
 
 def estimate(model: torch.nn.Module, example_inputs: Sequence[Any] = (),
              optimizer: torch.optim.Optimizer | None = None, *,
-             example_kwargs: dict[str, Any] | None = None) -> Estimate:
+             example_kwargs: dict[str, Any] | None = None, policies: bool = False,
+             budget_gb: float | None = None, time_limit_s: float = 10.0) -> Estimate:
     """The memory breakdown of one eager training step of `model` on `example_inputs`, from fake
-    tensors: nothing runs. Under `torch.autocast` the activations have autocast's dtypes."""
+    tensors: nothing runs. Under `torch.autocast` the activations have autocast's dtypes.
+    `policies`: also plan the step under each named policy (`fxmem.policies`) and, with `budget_gb`,
+    under that budget, and list their peaks and extra step time side by side (`Estimate.policies`, a table
+    under the breakdown); the "memory" policy searches the least budget for up to `time_limit_s`."""
     args, kwargs = example_args(example_inputs), dict(example_kwargs or {})
     eager = plan_step(model, args, kwargs, PlanRequest(model=type(model).__qualname__,
                                                        signature=signature_of(model, args, kwargs)))
@@ -79,6 +90,7 @@ def estimate(model: torch.nn.Module, example_inputs: Sequence[Any] = (),
     for row in eager.nodes:
         if row.kept_on_device and row.bytes:
             by_module[row.module] = by_module.get(row.module, 0) + row.bytes
+    compared = _policies(model, args, kwargs, optimizer, budget_gb, time_limit_s) if policies else ()
     return Estimate(
         model=eager.model, signature=eager.signature,
         parameters=unique_bytes(params), buffers=unique_bytes(list(model.buffers())),
@@ -87,4 +99,18 @@ def estimate(model: torch.nn.Module, example_inputs: Sequence[Any] = (),
         optimizer_state=state_bytes(optimizer),
         optimizer=type(optimizer).__name__ if optimizer is not None else "none",
         activations=sum(by_module.values()), peak_step=eager.baseline_peak_bytes,
-        by_module=tuple(sorted(by_module.items(), key=lambda kv: -kv[1])))
+        by_module=tuple(sorted(by_module.items(), key=lambda kv: -kv[1])), policies=compared)
+
+
+def _policies(model: torch.nn.Module, args: tuple, kwargs: dict, optimizer: Any, budget_gb: float | None,
+              time_limit_s: float) -> tuple:
+    """Each named policy's plan (and the budget's) for the step as `fxmem.plan` makes it."""
+    from fxmem.api import check_time_limit, device_spec, make_request
+    from fxmem.budget import budget_bytes
+    from fxmem.loss_boundary import step_module
+    from fxmem.policy_table import compare_policies
+
+    step, loss = step_module(model, args, kwargs, True, True)
+    request = make_request(step, args, kwargs, budget=budget_bytes(budget_gb), device=device_spec(None, model=model),
+                           solver="auto", time_limit_s=check_time_limit(time_limit_s), optimizer=optimizer)
+    return compare_policies(step, args, kwargs, dataclasses.replace(request, loss=loss))

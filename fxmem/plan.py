@@ -176,6 +176,7 @@ class Plan:
     eager_peak_bytes: int | None = None  # PyTorch eager's step, MemTracker on fake tensors (fxmem.eager_meter)
     capture: str = ""  # how the step was captured: one graph (and by which tracer) or Dynamo's graph k of n
     loss: str = ""  # where the step's loss is: in the plan (loss_fn, the model's own) or outside it
+    policy: str = ""  # the named policy that decided the plan, and what it did (fxmem.policies); "" for a budget's
     runs_eagerly: bool = False  # PyTorch's own step, which fits the budget below fxmem's keep-all (fxmem.eager_step)
     fallback_ops: tuple[str, ...] = ()  # ops with no FLOP formula, priced by memory traffic (no FLOPs counted)
     priced_as: dict[str, str] = field(default_factory=dict)  # graph op -> the target GPU's kernel priced for it

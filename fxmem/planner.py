@@ -36,6 +36,7 @@ from fxmem.passes.offload import offload, offload_pass
 from fxmem.passes.pool import pool_pass, pool_stats
 from fxmem.passes.recompute import partition, recompute_pass
 from fxmem.passes.rng import replay_random_ops, rng_pass
+from fxmem.policies import Policy, describe, policy_recompute, policy_within_budget
 from fxmem.passes.runner import StepGraphs, run_passes
 from fxmem.plan import NodeRow, Plan, PoolSection, graph_fingerprint
 from fxmem.problem import (
@@ -87,6 +88,7 @@ class PlanRequest:
     loss: str = ""  # where the step's loss is (fxmem.loss_boundary), for the plan's table
     replay_random: bool = True  # random ops may be recomputed with their generator state (passes/rng.py)
     replay_ops: str = "functions"  # replayed through passes/rng.py's functions, or torch's ops ("torch", Inductor)
+    policy: Policy | None = None  # a named policy (fxmem.policies) decides instead of the budget
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,13 @@ class Planner:
         self.plan = plan
         return graphs.fw, graphs.bw
 
+    def plan_only(self, joint: torch.fx.GraphModule, num_fwd_outputs: int) -> Plan:
+        """The plan for `joint` without partitioning it: several requests planned on one traced step
+        (`fxmem.policy_table`)."""
+        self.num_fwd_outputs = num_fwd_outputs
+        eager_dropout_backward(joint)
+        return self._make_plan(joint, graph_fingerprint(joint))
+
     def _pool_section(self, plan: Plan, graphs: StepGraphs) -> PoolSection:
         """The arenas of the pooled graphs; an arena is held across its graph, so the pooled step is
         simulated again."""
@@ -169,16 +178,27 @@ class Planner:
 
     def _make_plan(self, joint: torch.fx.GraphModule, fingerprint: str) -> Plan:
         """The plan for the budget less the resident bytes (`fxmem.resident`), stated for the whole budget."""
-        budget, resident = self.request.budget_bytes, self.request.resident_bytes
+        budget, resident, policy = self.request.budget_bytes, self.request.resident_bytes, self.request.policy
         if not resident:
-            return self._plan_within(joint, fingerprint, budget)
+            return policy_within_budget(self._plan_within(joint, fingerprint, budget), policy, budget)
         if budget is not None and budget <= resident:
             raise InfeasibleBudgetError(budget, resident + 1, {"optimizer state": resident})
         try:
             plan = self._plan_within(joint, fingerprint, None if budget is None else budget - resident)
         except InfeasibleBudgetError as exc:
             raise refusal_with_resident(exc, resident, budget) from None
-        return with_resident(plan, resident, budget)
+        return policy_within_budget(with_resident(plan, resident, None if policy else budget), policy, budget)
+
+    def _least_budget(self, joint, lowered: Lowered, split: JointSplit, budget: int | None) -> int:
+        """The least budget found for the step (the "memory" policy); a `budget` below it is refused as
+        any budget is."""
+        try:
+            self._fit(joint, lowered, split, 1)
+        except InfeasibleBudgetError as exc:
+            if budget is not None and budget < exc.min_budget_bytes:
+                self._fit(joint, lowered, split, budget)  # raises the refusal a budget alone gets
+            return exc.min_budget_bytes
+        raise AssertionError("a one-byte budget was met")
 
     def _plan_within(self, joint: torch.fx.GraphModule, fingerprint: str, budget: int | None) -> Plan:
         request = self.request
@@ -195,7 +215,15 @@ class Planner:
         eager = self._candidate(joint, lowered, eager_decision(lowered.problem))
         start = time.perf_counter()
         chosen, solution, min_budget = eager, None, None
-        if budget is not None and eager.timeline.peak + self.margin.bytes_for(budget) > budget:
+        policy, described = request.policy, ""
+        if policy is not None and policy.name == "memory":  # the least budget, then planned as any budget
+            budget, described = self._least_budget(joint, lowered, split, budget), describe(policy, ())
+        if policy is not None and policy.name != "memory":  # the policy decides; _make_plan checks the budget
+            recompute, described = (policy_recompute(policy, lowered.problem, lowered.nodes, {
+                n.name: costs[n.name].module for n in split.forward if n.name in costs.nodes}, request.model)
+                if policy.checkpoints else (eager.recompute, describe(policy, ())))
+            chosen, budget = self._candidate(joint, lowered, recompute), None  # its budget: its peak
+        elif budget is not None and eager.timeline.peak + self.margin.bytes_for(budget) > budget:
             try:
                 chosen, solution, min_budget = self._fit_both(joint, lowered, split, budget)
             except InfeasibleBudgetError:
@@ -211,13 +239,13 @@ class Planner:
         offloaded = [lowered.nodes[i].name for i in sorted(chosen.offloaded)]
         exposed_s = offload_cost(lowered.problem, chosen.offloaded) / 1e9
         return Plan(
-            budget_bytes=int(budget) if budget is not None else eager.timeline.peak,
+            budget_bytes=int(budget) if budget is not None else chosen.timeline.peak, policy=described,
             baseline_peak_bytes=eager.timeline.peak,
             predicted_peak_bytes=chosen.timeline.peak, min_budget_bytes=min_budget,
             extra_flops=sum(costs[n].flops for n in recomputed), total_flops=costs.total_flops(),
             predicted_step_s=costs.total_seconds() + sum(costs[n].seconds for n in recomputed) + exposed_s,
             baseline_step_s=costs.total_seconds(), recompute=tuple(recomputed), saved=tuple(saved),
-            solver=solution.solver if solution else "none",
+            solver=solution.solver if solution else "policy" if policy is not None else "none",
             solver_status=solution.status if solution else "optimal",
             solver_gap=solution.gap if solution else 0.0, solve_time_s=solve_time,
             device=request.device.name, model=request.model, signature=request.signature, capture=request.capture,

@@ -92,8 +92,8 @@ def plan_rows(plan: Any, by: str = "module", all_rows: bool = False) -> tuple[li
 
 
 def _solver_text(plan: Any) -> str:
-    if plan.solver == "none":
-        return "not run: the eager step fits the budget"
+    if plan.solver in ("none", "policy"):
+        return "not run: the policy decides" if plan.solver == "policy" else "not run: the eager step fits the budget"
     took = f"{plan.solve_time_s:.2f} s"
     if plan.solver_status == "optimal":
         return f"{plan.solver}: optimal (proven), {took}"
@@ -106,6 +106,7 @@ def _step_rows(plan: Any) -> list[list[str]]:
     """Peak, budget, what every plan holds, and the cost of the plan."""
     rows = [["captured as", plan.capture]] if plan.capture else []
     rows += [["loss", plan.loss]] if plan.loss else []
+    rows += [["policy", plan.policy]] if plan.policy else []
     rows.append(["eager peak (no recompute)", fmt_bytes(plan.baseline_peak_bytes)])
     if plan.eager_peak_bytes:
         rows.append(["PyTorch eager's peak", f"{fmt_bytes(plan.eager_peak_bytes)} (MemTracker on fake tensors"

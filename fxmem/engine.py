@@ -34,6 +34,7 @@ from fxmem.meta_device import planned_on
 from fxmem.passes.dropout_backward import eager_dropout_backward
 from fxmem.plan import Plan, graph_fingerprint
 from fxmem.planner import Planner, PlanRequest
+from fxmem.policies import PolicyError
 from fxmem.progress import planning
 from fxmem.report import short_signature
 from fxmem.wrapper import ModelWrapper
@@ -225,6 +226,10 @@ class OptimizedModule(ModelWrapper):
                 return step, step(dict(model_state(module)), args, kwargs)  # the first call traces and plans
             except TraceError as exc:  # not one graph: Dynamo's graphs, under the same budget
                 from fxmem.dynamo_step import DynamoStep
+
+                if request.policy is not None:
+                    raise PolicyError(f"policy={request.policy.name!r} plans a step captured as one graph; "
+                                      f"{exc.construct}: pass budget_gb= instead") from None
 
                 step = DynamoStep(module, request, exc)
                 return step, step(args, kwargs)

@@ -6,7 +6,8 @@ produces; tightens the solver's budget until the simulated peak fits, then spend
 solver's model leaves (`fxmem.fitting`). On graphs of more than `LARGE_CANDIDATES` candidates, and
 whenever the solver fits nothing, it also relaxes the least decision found to the budget and keeps
 the cheaper. With offload allowed it plans recompute-only too and keeps the faster of the two plans
-that fit. Applying a given Plan instead checks its fingerprint first. Then runs the step's passes (`STEP_PASSES`: recompute, rng, offload, pool)
+that fit. A named policy (`fxmem.policies`) gives the decision instead of the solver ("memory": the
+least budget found, then planned as a budget). Applying a given Plan instead checks its fingerprint first. Then runs the step's passes (`STEP_PASSES`: recompute, rng, offload, pool)
 on the graphs for that plan. Keeps the Plan on `self.plan`; writes what the passes write in `meta`.
 """
 from __future__ import annotations
@@ -36,9 +37,9 @@ from fxmem.passes.offload import offload, offload_pass
 from fxmem.passes.pool import pool_pass, pool_stats
 from fxmem.passes.recompute import partition, recompute_pass
 from fxmem.passes.rng import replay_random_ops, rng_pass
-from fxmem.policies import Policy, describe, policy_recompute, policy_within_budget
 from fxmem.passes.runner import StepGraphs, run_passes
 from fxmem.plan import NodeRow, Plan, PoolSection, graph_fingerprint
+from fxmem.policies import Policy, describe, every_block_checkpointed, policy_recompute, policy_within_budget
 from fxmem.problem import (
     eager_decision,
     enable_offload,
@@ -219,9 +220,9 @@ class Planner:
         if policy is not None and policy.name == "memory":  # the least budget, then planned as any budget
             budget, described = self._least_budget(joint, lowered, split, budget), describe(policy, ())
         if policy is not None and policy.name != "memory":  # the policy decides; _make_plan checks the budget
-            recompute, described = (policy_recompute(policy, lowered.problem, lowered.nodes, {
-                n.name: costs[n.name].module for n in split.forward if n.name in costs.nodes}, request.model)
-                if policy.checkpoints else (eager.recompute, describe(policy, ())))
+            recompute, described = (policy_recompute(policy, lowered.problem, lowered.nodes, split.forward,
+                                                     request.model)
+                                    if policy.checkpoints else (eager.recompute, describe(policy, ())))
             chosen, budget = self._candidate(joint, lowered, recompute), None  # its budget: its peak
         elif budget is not None and eager.timeline.peak + self.margin.bytes_for(budget) > budget:
             try:
@@ -231,6 +232,8 @@ class Planner:
                     raise
                 # nothing fits under the margin, but the step as PyTorch runs it fits the budget itself
                 log.info("no plan under the margin; the eager step fits the budget: keeping everything")
+        if policy is not None and policy.name == "memory":
+            min_budget = budget
         solve_time = time.perf_counter() - start
         in_joint = {n.name for n in joint.graph.nodes}  # not the generator states passes/rng.py saves
         saved = [n.name for n in chosen.bw.graph.find_nodes(op="placeholder")
@@ -302,7 +305,8 @@ class Planner:
         started = time.perf_counter()
         log.info("searching for the least feasible budget")
         least = least_peak(problem, request.time_limit_s * (1 - SOLVER_SHARE if large else 1))
-        low = lowest(problem, least.recompute, simulate, request.time_limit_s * LOWER_SHARE, self.allocator)
+        low = lowest(problem, least.recompute, simulate, request.time_limit_s * LOWER_SHARE, self.allocator,
+                     also=every_block_checkpointed(problem, lowered.nodes, split.forward))
         if low.timeline.peak <= budget:
             solution = make_solution(problem, low.recompute, "feasible", 0, started, "min-peak")
             relaxed = spend_slack(problem, low, solution, budget, simulate, relax_s)

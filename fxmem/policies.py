@@ -20,10 +20,11 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch.fx
 
+from fxmem.cost import module_path
 from fxmem.errors import FxmemError, fmt_bytes, gb_at_least
 from fxmem.margin import margin_for
 from fxmem.problem import MemoryProblem
@@ -146,10 +147,11 @@ def _span(members: list[str]) -> str:
     return members[0] if len(members) == 1 else f"{members[0]}-{members[-1].rsplit('.', 1)[-1]}"
 
 
-def policy_recompute(policy: Policy, problem: MemoryProblem, nodes: tuple[torch.fx.Node, ...],
-                     module_of: dict[str, str], model: str = "the model") -> tuple[frozenset[int], str]:
+def policy_recompute(policy: Policy, problem: MemoryProblem, nodes: Sequence[torch.fx.Node],
+                     forward: Iterable[torch.fx.Node], model: str = "the model") -> tuple[frozenset[int], str]:
     """The recompute set of a checkpointing policy on the problem's candidates (`nodes`, their joint-graph
-    nodes; `module_of`: node name -> module path, for every forward node), and the plan's description."""
+    nodes; `forward`: every forward node of the joint graph), and the plan's description of it."""
+    module_of = {n.name: module_path(n) for n in forward}
     blocks = find_blocks(module_of.values())
     if not blocks:
         raise PolicyError(f"policy {policy.name!r} checkpoints blocks, and {model} has none (no ModuleList or "
@@ -167,6 +169,16 @@ def policy_recompute(policy: Policy, problem: MemoryProblem, nodes: tuple[torch.
                    if u.name in module_of or u.op == "output")
                for node, own in zip(nodes, unit_of)]
     return checkpoint_units(problem, unit_of, escapes), describe(policy, blocks)
+
+
+def every_block_checkpointed(problem: MemoryProblem, nodes: Sequence[torch.fx.Node],
+                             forward: Iterable[torch.fx.Node]) -> tuple[frozenset[int], ...]:
+    """The "every-layer" decision, as one more start for the least-peak search (`fxmem.fitting.lowest`):
+    the searches find blocks by repeated sizes and can miss what the module paths show. () without blocks."""
+    try:
+        return (policy_recompute(every_layers(1), problem, nodes, forward)[0],)
+    except PolicyError:
+        return ()
 
 
 def policy_within_budget(plan: Any, policy: Policy | None, budget: int | None) -> Any:

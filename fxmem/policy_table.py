@@ -99,5 +99,5 @@ def format_policies(rows: Sequence[PolicyRow]) -> str:
     """The policies' table: peak, extra step time over keeping everything, extra FLOPs, what is recomputed."""
     baseline = next((r.plan.baseline_step_s for r in rows if r.plan is not None), 0.0)
     headers = ["policy", "peak", "step time", "extra FLOPs", "recomputed", "what it does"]
-    table = tabulate([r.cells(baseline) for r in rows], headers=headers, tablefmt="simple", maxcolwidths=[None] * 5 + [56])
+    table = tabulate([r.cells(baseline) for r in rows], headers=headers, tablefmt="simple", maxcolwidths=[None] * 5 + [46])
     return ("policies (predicted; step time over keeping everything, as fxmem prices it)\n" + table)

@@ -23,6 +23,7 @@ _EXPORTS = {
     "DeviceSpec": "fxmem.cost", "HostLink": "fxmem.cost",
     "FxmemError": "fxmem.errors", "InfeasibleBudgetError": "fxmem.errors", "TraceError": "fxmem.errors",
     "PlanMismatchError": "fxmem.errors", "CallError": "fxmem.errors", "LossFnError": "fxmem.step_module",
+    "PolicyError": "fxmem.policies",
     "estimate": "fxmem.estimate", "Estimate": "fxmem.estimate", "max_batch_size": "fxmem.capacity",
     "fit_batch": "fxmem.batch_fit", "BatchFit": "fxmem.batch_fit",
     "check_plan": "fxmem.check", "pack_buffers": "fxmem.solve.packing", "Packing": "fxmem.solve.packing",

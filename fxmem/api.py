@@ -19,7 +19,7 @@ from fxmem.capture import example_args
 from fxmem.cost import DeviceSpec, preset_for
 from fxmem.eager_meter import eager_peak_bytes
 from fxmem.eager_step import eager_peak_within, eager_plan
-from fxmem.engine import OptimizedModule, plan_step, signature_of
+from fxmem.engine import ANY_BUDGET, OptimizedModule, plan_step, signature_of
 from fxmem.error_boundary import public
 from fxmem.loss_boundary import step_module
 from fxmem.meta_device import planned_on, refuse_meta_model
@@ -28,6 +28,7 @@ from fxmem.pipeline import PipelineRequest, plan_pipeline
 from fxmem.placement import PlacedModule, check_devices
 from fxmem.plan import Plan
 from fxmem.planner import PlanRequest
+from fxmem.policies import Policy, PolicyError, parse_policy
 from fxmem.progress import planning
 from fxmem.report import short_signature
 from fxmem.step_module import LossStep
@@ -63,6 +64,19 @@ def device_spec(device: DeviceSpec | str | None, offload: bool = False,
     return spec
 
 
+def check_policy(policy: Policy | None, *, offload: bool = False, num_stages: int | None = None,
+                 devices: Sequence[str] | None = None, plan: Plan | None = None) -> Policy | None:
+    """A policy plans one device's keep/recompute decision: refused (one line) beside options that plan otherwise."""
+    if policy is None:
+        return None
+    given = [name for name, value in (("plan=", plan), ("offload=True", offload or None), ("num_stages=", num_stages),
+                                      ("devices=", devices)) if value is not None]
+    if given:
+        raise PolicyError(f"policy={policy.name!r} decides what one device keeps and recomputes; it does not combine "
+                          f"with {given[0]} (pass budget_gb= for that, or the policy alone)")
+    return policy
+
+
 def model_device(model: torch.nn.Module | None) -> torch.device:
     return next((p.device for p in model.parameters()), torch.device("cpu")) if model is not None \
         else torch.device("cpu")
@@ -70,7 +84,8 @@ def model_device(model: torch.nn.Module | None) -> torch.device:
 
 def make_request(model: torch.nn.Module, args: tuple, kwargs: dict, *, budget: int | None, device: DeviceSpec,
                  solver: str, time_limit_s: float, offload: bool = False, pool: bool | str = False,
-                 plan: Plan | None = None, calibrate: bool | None = None, optimizer: Any = None) -> PlanRequest:
+                 plan: Plan | None = None, calibrate: bool | None = None, optimizer: Any = None,
+                 policy: Policy | None = None) -> PlanRequest:
     """What to plan for one input signature of `model` (budget in bytes, None: keep everything).
     `calibrate` None: time the kernels when the model is on a GPU (the device it will train on)."""
     if calibrate is None:
@@ -80,7 +95,8 @@ def make_request(model: torch.nn.Module, args: tuple, kwargs: dict, *, budget: i
     return PlanRequest(budget_bytes=plan.budget_bytes if plan is not None else budget, plan=plan, device=device,
                        solver=solver, time_limit_s=time_limit_s, model=name,
                        signature=signature_of(model, args, kwargs), offload=bool(offload), pool=pool,
-                       calibrate=bool(calibrate), resident_bytes=model_state_bytes(optimizer, model), chunk_loss=True)
+                       calibrate=bool(calibrate), resident_bytes=model_state_bytes(optimizer, model), chunk_loss=True,
+                       policy=policy)
 
 
 @public
@@ -91,7 +107,8 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
          schedule: str = "1f1b", n_microbatches: int | None = None, optimizer: str | float | None = None,
          calibrate: bool | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
          example_target: Any = None, keep_outputs: bool | None = None, eager_meter: bool = False,
-         model_loss: bool = True, accumulating: bool = False) -> Plan:
+         model_loss: bool = True, accumulating: bool = False, policy: str | None = None,
+         every_n: int | None = None) -> Plan:
     """Plan a training step of `model` on `example_inputs` under `budget_gb` without running it
     (fake tensors only). Without a budget the plan keeps everything (the eager step).
     `target` (same as `device`): the device to plan for, which need not be present; with
@@ -115,8 +132,12 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
     (`fxmem.loss_boundary`). At a budget that covers PyTorch eager's peak where fxmem's keep-all step would
     hold more, the plan runs eagerly (`fxmem.eager_step`). `accumulating`: plan a micro-batch that
     accumulates into existing gradients (every trainable parameter's `.grad` resident from the start,
-    `fxmem.accumulation`), as the second and later micro-batches of gradient accumulation run."""
+    `fxmem.accumulation`), as the second and later micro-batches of gradient accumulation run.
+    `policy`: a named policy decides instead of a budget ("speed", "memory", "every-layer",
+    "every-N-layers" or `every_n=N`, "sqrt": `fxmem.policies`, docs/policies.md); with `budget_gb` too, the
+    policy's plan where it fits the budget, else a `PolicyError` naming its peak."""
     check_model(model)
+    policy = check_policy(parse_policy(policy, every_n), offload=offload, num_stages=num_stages)
     args, kwargs = example_args(example_inputs), dict(example_kwargs or {})
     if loss_fn is not None:
         model, kwargs = LossStep(model, loss_fn, bool(keep_outputs)), {**kwargs, "target": example_target}
@@ -132,7 +153,8 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
     check_pool(pool)
     request = make_request(model, args, kwargs, budget=budget, device=spec,
                            solver=solver, time_limit_s=check_time_limit(time_limit_s), offload=offload, pool=pool,
-                           calibrate=calibrate, optimizer=None if num_stages is not None else optimizer)
+                           calibrate=calibrate, optimizer=None if num_stages is not None else optimizer,
+                           policy=policy)
     grads = accumulating_state(model) if accumulating and num_stages is None else None
     request = replace(request, loss=loss, resident_gradient_bytes=grads.bytes if grads else 0,
                       resident_gradients=grads.description if grads else "")
@@ -149,7 +171,8 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
             return plan_pipeline(model, args, kwargs, request,
                                  PipelineRequest(num_stages, schedule, n_microbatches, optimizer))
         made = plan_step(model, args, kwargs, request)
-        eager = eager_peak_within(model, args, kwargs, budget, resident)
+        eager = eager_peak_within(model, args, kwargs, budget if policy is None else
+                                  ANY_BUDGET if policy.name == "speed" else None, resident)
         made = (eager_plan(made, eager) if eager is not None else None) or made
         if eager_meter and not made.runs_eagerly:
             measured = eager_peak_bytes(model, args, kwargs)
@@ -163,8 +186,8 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
              time_limit_s: float = 10.0, offload: bool = False, target: DeviceSpec | str | None = None,
              devices: Sequence[str] | None = None, pool: bool | str = False,
              calibrate: bool | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-             keep_outputs: bool | None = None, optimizer: Any = None, model_loss: bool = True
-             ) -> OptimizedModule | PlacedModule:
+             keep_outputs: bool | None = None, optimizer: Any = None, model_loss: bool = True,
+             policy: str | None = None, every_n: int | None = None) -> OptimizedModule | PlacedModule:
     """A module that trains like `model` with its step planned under `budget_gb` (planned lazily at the
     first call, from the real inputs; re-planned per input signature), or running a given `plan`.
     `offload=True` lets the planner copy saved values to host memory (see `plan`); `devices` places
@@ -177,10 +200,12 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
     Without `loss_fn`, a model called with `labels=` (an output with a scalar `loss`) trains as
     `model(...).loss.backward()` does, planned from its loss, other outputs returned detached
     (`keep_outputs=False`: the loss alone); `model_loss=False` keeps a gradient on every output (see `plan`). The optimized module's `.plan` is
-    the plan of the input signature it saw last, `.plans` all of them."""
+    the plan of the input signature it saw last, `.plans` all of them. `policy`, `every_n`: a named policy
+    instead of (or checked against) `budget_gb`, see `plan`."""
     check_model(model)
     check_pool(pool)
     check_solver(solver)
+    policy = check_policy(parse_policy(policy, every_n), offload=offload, devices=devices, plan=plan)
     refuse_meta_model(model)
     if loss_fn is not None:
         model = LossStep(model, loss_fn, bool(keep_outputs))
@@ -199,7 +224,7 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
             budgets = [e.budget_bytes for e in plan.devices] if plan is not None else [None] * len(devices)
         return PlacedModule(model, devices, budgets, plan, device_spec(target or device, model=model), solver,
                             time_limit_s)
-    if (budget_gb is None) == (plan is None):
+    if (budget_gb is None) == (plan is None) and policy is None:
         raise ValueError("pass exactly one of budget_gb= (plan at the first call) or plan= (a Plan made earlier)")
     budget = budget_bytes(budget_gb)
     spec = device_spec(target or device, offload, model)
@@ -207,6 +232,6 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
     def request_for(module: torch.nn.Module, args: tuple, kwargs: dict) -> PlanRequest:
         return make_request(module, args, kwargs, budget=budget, device=spec, solver=solver,
                             time_limit_s=time_limit_s, offload=offload, pool=pool, plan=plan, calibrate=calibrate,
-                            optimizer=optimizer)
+                            optimizer=optimizer, policy=policy)
 
     return OptimizedModule(model, request_for, (model_loss, keep_outputs is not False))

@@ -25,6 +25,10 @@ examples:
                                                     save the plan and a picture of memory over the step
   fxmem-plan gpt2 --budget-gb 6 --batch-size 8 --seq-len 512 --dtype bf16 --target h100
                                                     bf16 autocast, time priced for an H100
+  fxmem-plan gpt-small --policy every-layer         checkpoint every block (as torch.utils.checkpoint would),
+                                                    planned and priced; also every-2-layers, sqrt, speed, memory
+  fxmem-plan gpt-small --estimate --policies --budget-gb 2
+                                                    every policy's peak and extra time beside the 2 GiB plan
   fxmem-plan gpt-small --budget-gb 2 --max-batch    largest batch that fits at <= 10% predicted overhead
   fxmem-plan gpt-small --budget-gb 1 --global-batch 64
                                                     micro-batch x accumulation steps = 64, fastest under 1 GiB
@@ -70,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", help="zoo preset (see --list-models) or package.module:factory")
     p.add_argument("--budget-gb", type=float, help="memory budget of one training step, GiB")
+    p.add_argument("--policy", help="plan under a named policy instead of a budget: speed, memory, every-layer, "
+                   "every-N-layers (e.g. every-2-layers), sqrt (docs/policies.md); with --budget-gb, the policy's "
+                   "plan where it fits, else an error naming its peak")
     p.add_argument("--batch-size", type=_positive, help="batch size (default: the preset's)")
     p.add_argument("--seq-len", type=_positive, help="sequence length, for sequence models (gpt-*; default: the preset's)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
@@ -94,6 +101,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="write a PNG of live memory over the step (eager vs plan) here")
     p.add_argument("--estimate", action="store_true", help="print the memory breakdown of an eager step "
                    "(parameters, gradients, optimizer state, activations by module) and exit")
+    p.add_argument("--policies", action="store_true", help="with --estimate: also every policy's predicted peak "
+                   "and extra step time, beside the plan for --budget-gb when given")
     p.add_argument("--optimizer", choices=("none", *NAMED), default="adamw",
                    help="optimizer whose state --estimate counts (default adamw)")
     p.add_argument("--max-batch", action="store_true", help="search the largest batch size that fits "
@@ -302,6 +311,10 @@ def _estimate(args: argparse.Namespace, model: Any, inputs: tuple) -> None:
         kind, options = NAMED[args.optimizer]
         optimizer_class = {c.__name__.lower(): c for c in vars(torch.optim).values() if isinstance(c, type)}[kind]
         optimizer = optimizer_class([p for p in model.parameters() if p.requires_grad], lr=0.1, **options)
+    if args.policies:
+        print(estimate(model, inputs, optimizer, policies=True, budget_gb=args.budget_gb,
+                       time_limit_s=args.time_limit).table())
+        return
     print(estimate(model, inputs, optimizer).table())
 
 
@@ -335,6 +348,9 @@ def run(args: argparse.Namespace) -> None:
 
     if args.budget_gb is not None:
         _check_budget(args.budget_gb)
+    if args.policies and not args.estimate:
+        raise CliError("--policies goes with --estimate (fxmem-plan MODEL --estimate --policies); "
+                       "to plan under one policy, use --policy NAME")
     make = model_factory(args.model, args.seq_len, args.meta)
     model, inputs = make(args.batch_size)
     from fxmem.engine import signature_of  # after the model is built: a model too big is refused sooner
@@ -345,9 +361,13 @@ def run(args: argparse.Namespace) -> None:
                 return _estimate(args, model, inputs)
         if args.check:
             return _check(args, model, inputs)
-        if args.budget_gb is None:
-            raise CliError("give --budget-gb (or --estimate, --check); see the examples in --help")
+        if args.budget_gb is None and args.policy is None:
+            raise CliError("give --budget-gb or --policy (or --estimate, --check); see the examples in --help")
         kwargs = _plan_kwargs(args)
+        if args.policy is not None:
+            if args.max_batch:
+                raise CliError("--max-batch searches under --budget-gb; it does not take --policy")
+            kwargs["policy"] = args.policy
         if args.max_batch:
             from fxmem.capacity import batch_search
 
@@ -369,7 +389,9 @@ def run(args: argparse.Namespace) -> None:
                 fit = _call_plan(fit_global_batch, make, args.global_batch, args.budget_gb, **kwargs)
             print(fit.table() + "\n")
             return _write(args, fit.plans[-1])
-        with Progress(f"planning {what} under {args.budget_gb} GiB", time_limit_s=args.time_limit,
+        under = " and ".join(([f"policy {args.policy}"] if args.policy else [])
+                             + ([f"{args.budget_gb} GiB"] if args.budget_gb is not None else []))
+        with Progress(f"planning {what} under {under}", time_limit_s=args.time_limit,
                       quiet=args.quiet):
             try:
                 plan = _call_plan(fxmem.plan, model, inputs, args.budget_gb, **kwargs)

@@ -38,11 +38,13 @@ from fxmem.passes.chunked_loss import loss_sites
 from fxmem.passes.dropout_backward import eager_dropout_backward
 from fxmem.plan import Plan, graph_fingerprint
 from fxmem.planner import Planner, PlanRequest
+from fxmem.policies import PolicyError
 from fxmem.progress import planning
 from fxmem.report import short_signature
 from fxmem.wrapper import ModelWrapper
 
 log = logging.getLogger("fxmem")
+ANY_BUDGET = 1 << 62  # the "speed" policy runs PyTorch's eager step wherever it holds less than fxmem's keep-all
 
 
 class _GraphRunner(torch.nn.Module):
@@ -246,6 +248,10 @@ class OptimizedModule(ModelWrapper):
             except TraceError as exc:  # not one graph: Dynamo's graphs, under the same budget
                 from fxmem.dynamo_step import DynamoStep
 
+                if request.policy is not None:
+                    raise PolicyError(f"policy={request.policy.name!r} plans a step captured as one graph; "
+                                      f"{exc.construct}: pass budget_gb= instead") from None
+
                 step = DynamoStep(module, request, exc)
                 return step, step(args, kwargs)
 
@@ -297,8 +303,10 @@ def _eager_or_planned(module: torch.nn.Module, args: tuple, kwargs: dict, reques
     otherwise None (the first real call plans)."""
     if request.plan is not None:
         return EagerStep(module, request.plan) if request.plan.runs_eagerly else None
-    eager = eager_peak_within(module, args, kwargs, request.budget_bytes,
-                              request.resident_bytes + request.resident_gradient_bytes)
+    if request.policy is not None and request.policy.name != "speed":  # the policy decides, whatever eager's peak
+        return None
+    budget = request.budget_bytes if request.policy is None else ANY_BUDGET  # "speed": eager's where it holds less
+    eager = eager_peak_within(module, args, kwargs, budget, request.resident_bytes + request.resident_gradient_bytes)
     if eager is None:
         return None
     try:

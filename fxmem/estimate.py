@@ -46,6 +46,7 @@ class Estimate:
     peak_step: int
     by_module: tuple[tuple[str, int], ...]  # (module path, saved activation bytes), largest first
     loss: str = ""  # where the step's loss is (the plan table's "loss" row): loss_fn, the model's `loss`, outside
+    policies: tuple = ()  # fxmem.policy_table.PolicyRow per named policy (and the budget), with policies=True
 
     @property
     def total(self) -> int:
@@ -69,20 +70,29 @@ class Estimate:
         share = lambda b: f"{100.0 * b / self.activations:.1f}%" if self.activations else "-"  # noqa: E731
         modules = [[name or "(top level)", fmt_bytes(nbytes), share(nbytes)] for name, nbytes in self.by_module[:top]]
         largest = tabulate(modules, headers=["module", "saved activations", "share"], tablefmt="simple")
-        return f"{head}\n\n{summary}\n\nlargest activations by module\n{largest}"
+        text = f"{head}\n\n{summary}\n\nlargest activations by module\n{largest}"
+        if self.policies:
+            from fxmem.policy_table import format_policies
+
+            text += "\n\n" + format_policies(self.policies)
+        return text
 
 
 @public
 def estimate(model: torch.nn.Module, example_inputs: Sequence[Any] = (),
              optimizer: torch.optim.Optimizer | str | float | None = None, *,
              example_kwargs: dict[str, Any] | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-             example_target: Any = None, model_loss: bool = True) -> Estimate:
+             example_target: Any = None, model_loss: bool = True, policies: bool = False,
+             budget_gb: float | None = None, time_limit_s: float = 10.0) -> Estimate:
     """The memory breakdown of one eager training step of `model` on `example_inputs`, from fake
     tensors: nothing runs. Under `torch.autocast` the activations have autocast's dtypes.
     The step is the one `fxmem.plan` plans: with `loss_fn`, `loss_fn(model(*inputs), example_target)`
     (the logits, their log-softmax and gradients counted); without it, a model with a scalar `loss`
     output (transformers' `labels=`) is the step up to that loss (`fxmem.loss_boundary`).
-    `optimizer`: an optimizer, a name such as "adamw", or state bytes per parameter byte."""
+    `optimizer`: an optimizer, a name such as "adamw", or state bytes per parameter byte.
+    `policies`: also plan the step under each named policy (`fxmem.policies`) and, with `budget_gb`,
+    under that budget, and list their peaks and extra step time side by side (`Estimate.policies`, a table
+    under the breakdown); the "memory" policy searches the least budget for up to `time_limit_s`."""
     check_model(model)
     args, kwargs = example_args(example_inputs), dict(example_kwargs or {})
     module: torch.nn.Module = model
@@ -101,6 +111,8 @@ def estimate(model: torch.nn.Module, example_inputs: Sequence[Any] = (),
     for row in eager.nodes:
         if row.kept_on_device and row.bytes:
             by_module[row.module] = by_module.get(row.module, 0) + row.bytes
+    stepped = model if loss_fn is None else LossStep(model, loss_fn)
+    compared = _policies(stepped, args, kwargs, optimizer, budget_gb, time_limit_s) if policies else ()
     return Estimate(
         model=eager.model, signature=eager.signature,
         parameters=unique_bytes(params), buffers=unique_bytes(list(model.buffers())),
@@ -109,7 +121,7 @@ def estimate(model: torch.nn.Module, example_inputs: Sequence[Any] = (),
         optimizer_state=model_state_bytes(optimizer, model),
         optimizer=_optimizer_name(optimizer),
         activations=sum(by_module.values()), peak_step=eager.baseline_peak_bytes,
-        by_module=tuple(sorted(by_module.items(), key=lambda kv: -kv[1])), loss=loss)
+        by_module=tuple(sorted(by_module.items(), key=lambda kv: -kv[1])), loss=loss, policies=compared)
 
 
 def _optimizer_name(optimizer: Any) -> str:
@@ -120,3 +132,17 @@ def _optimizer_name(optimizer: Any) -> str:
     if isinstance(optimizer, (int, float)):
         return f"{optimizer:g} bytes per parameter byte"
     return type(optimizer).__name__
+
+
+def _policies(model: torch.nn.Module, args: tuple, kwargs: dict, optimizer: Any, budget_gb: float | None,
+              time_limit_s: float) -> tuple:
+    """Each named policy's plan (and the budget's) for the step as `fxmem.plan` makes it."""
+    from fxmem.api import check_time_limit, device_spec, make_request
+    from fxmem.budget import budget_bytes
+    from fxmem.loss_boundary import step_module
+    from fxmem.policy_table import compare_policies
+
+    step, loss = step_module(model, args, kwargs, True, True)
+    request = make_request(step, args, kwargs, budget=budget_bytes(budget_gb), device=device_spec(None, model=model),
+                           solver="auto", time_limit_s=check_time_limit(time_limit_s), optimizer=optimizer)
+    return compare_policies(step, args, kwargs, dataclasses.replace(request, loss=loss))

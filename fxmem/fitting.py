@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, Iterable
 
 from fxmem.errors import fmt_bytes
 from fxmem.problem import MemoryProblem, recompute_cost
@@ -40,10 +40,10 @@ _LOWEST_FOUND: dict[tuple, frozenset[int]] = {}
 
 
 def lowest(problem: MemoryProblem, least: frozenset[int], simulate: Simulate, time_limit_s: float,
-           allocator: Any = None):
+           allocator: Any = None, also: Iterable[frozenset[int]] = ()):
     """The candidate of lowest simulated peak among the search's `least`, the lowest found before
     for this problem, every layer checkpointed, and the in-order descent from the lowest of them
-    (`relax.lower_peak`, for `time_limit_s`).
+    (`relax.lower_peak`, for `time_limit_s`); and the decisions in `also`, each simulated.
 
     Simulating is the slow part (a forward/backward extraction each), so options are simulated in
     order of their in-order peak, which tracks the simulation, skipping those whose in-order peak is
@@ -58,8 +58,11 @@ def lowest(problem: MemoryProblem, least: frozenset[int], simulate: Simulate, ti
     lowered = lower_peak(problem, min(peaks, key=peaks.get), time_limit_s)
     peaks.setdefault(lowered, phase_peak(problem, lowered))
     best = None
+    also = set(also)  # more decisions, simulated whatever (every block checkpointed, as module paths show blocks)
+    for rec in also:
+        peaks.setdefault(rec, phase_peak(problem, rec))
     for rec in sorted(peaks, key=peaks.get):
-        if best is not None and peaks[rec] >= best.timeline.peak and rec != remembered:
+        if best is not None and peaks[rec] >= best.timeline.peak and rec != remembered and rec not in also:
             continue  # the remembered decision is simulated whatever: a least budget named before stands
         candidate = simulate(rec)
         if best is None or candidate.timeline.peak < best.timeline.peak:

@@ -181,6 +181,7 @@ class Plan:
     loss_chunks: int = 1  # the loss computed in this many chunks of tokens (passes/chunked_loss.py); 1: as traced
     loss_chunk_tokens: str = ""  # tokens per chunk, per loss site
     numerics: str = ""  # how a rewrite changes the results' rounding against eager's (empty: it does not)
+    policy: str = ""  # the named policy that decided the plan, and what it did (fxmem.policies); "" for a budget's
     runs_eagerly: bool = False  # PyTorch's own step, which fits the budget below fxmem's keep-all (fxmem.eager_step)
     fallback_ops: tuple[str, ...] = ()  # ops with no FLOP formula, priced by memory traffic (no FLOPs counted)
     priced_as: dict[str, str] = field(default_factory=dict)  # graph op -> the target GPU's kernel priced for it

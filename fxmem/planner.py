@@ -6,7 +6,8 @@ produces; tightens the solver's budget until the simulated peak fits, then spend
 solver's model leaves (`fxmem.fitting`). On graphs of more than `LARGE_CANDIDATES` candidates, and
 whenever the solver fits nothing, it also relaxes the least decision found to the budget and keeps
 the cheaper. With offload allowed it plans recompute-only too and keeps the faster of the two plans
-that fit. Applying a given Plan instead checks its fingerprint first. Then runs the step's passes (`STEP_PASSES`: recompute, rng, offload, pool)
+that fit. A named policy (`fxmem.policies`) gives the decision instead of the solver ("memory": the
+least budget found, then planned as a budget). Applying a given Plan instead checks its fingerprint first. Then runs the step's passes (`STEP_PASSES`: recompute, rng, offload, pool)
 on the graphs for that plan. Keeps the Plan on `self.plan`; writes what the passes write in `meta`.
 """
 from __future__ import annotations
@@ -38,6 +39,7 @@ from fxmem.passes.recompute import partition, recompute_pass
 from fxmem.passes.rng import replay_random_ops, rng_pass
 from fxmem.passes.runner import StepGraphs, run_passes
 from fxmem.plan import NodeRow, Plan, PoolSection, graph_fingerprint
+from fxmem.policies import Policy, describe, every_block_checkpointed, policy_recompute, policy_within_budget
 from fxmem.problem import (
     eager_decision,
     enable_offload,
@@ -90,6 +92,7 @@ class PlanRequest:
     replay_random: bool = True  # random ops may be recomputed with their generator state (passes/rng.py)
     replay_ops: str = "functions"  # replayed through passes/rng.py's functions, or torch's ops ("torch", Inductor)
     chunk_loss: bool = False  # the loss may be computed in chunks of tokens where the budget needs it (fxmem.loss_chunks)
+    policy: Policy | None = None  # a named policy (fxmem.policies) decides instead of the budget
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,13 @@ class Planner:
         self.plan = plan
         return graphs.fw, graphs.bw
 
+    def plan_only(self, joint: torch.fx.GraphModule, num_fwd_outputs: int) -> Plan:
+        """The plan for `joint` without partitioning it: several requests planned on one traced step
+        (`fxmem.policy_table`)."""
+        self.num_fwd_outputs = num_fwd_outputs
+        eager_dropout_backward(joint)
+        return self._make_plan(joint, graph_fingerprint(joint))
+
     def _pool_section(self, plan: Plan, graphs: StepGraphs) -> PoolSection:
         """The arenas of the pooled graphs; an arena is held across its graph, so the pooled step is
         simulated again."""
@@ -177,17 +187,30 @@ class Planner:
         budget = request.budget_bytes
         parts = resident_parts(request.resident_bytes, request.resident_gradient_bytes, request.resident_gradients)
         resident = sum(parts.values())
+        policy = request.policy
         if not resident:
-            return self._plan_within(joint, fingerprint, budget)
+            return policy_within_budget(self._plan_within(joint, fingerprint, budget), policy, budget)
         if budget is not None and budget <= resident:
             raise InfeasibleBudgetError(budget, resident + 1, parts)
         try:
             plan = self._plan_within(joint, fingerprint, None if budget is None else budget - resident)
         except InfeasibleBudgetError as exc:
             raise refusal_with_resident(exc, parts, budget) from None
-        plan = with_resident(plan, parts, budget)
-        return dataclasses.replace(plan, resident_gradients=request.resident_gradients) \
-            if request.resident_gradient_bytes else plan
+        plan = with_resident(plan, parts, None if policy else budget)
+        if request.resident_gradient_bytes:
+            plan = dataclasses.replace(plan, resident_gradients=request.resident_gradients)
+        return policy_within_budget(plan, policy, budget)
+
+    def _least_budget(self, joint, lowered: Lowered, split: JointSplit, budget: int | None) -> int:
+        """The least budget found for the step (the "memory" policy); a `budget` below it is refused as
+        any budget is."""
+        try:
+            self._fit(joint, lowered, split, 1)
+        except InfeasibleBudgetError as exc:
+            if budget is not None and budget < exc.min_budget_bytes:
+                self._fit(joint, lowered, split, budget)  # raises the refusal a budget alone gets
+            return exc.min_budget_bytes
+        raise AssertionError("a one-byte budget was met")
 
     def _plan_within(self, joint: torch.fx.GraphModule, fingerprint: str, budget: int | None) -> Plan:
         request = self.request
@@ -204,7 +227,15 @@ class Planner:
         eager = self._candidate(joint, lowered, eager_decision(lowered.problem))
         start = time.perf_counter()
         chosen, solution, min_budget = eager, None, None
-        if budget is not None and eager.timeline.peak + self.margin.bytes_for(budget) > budget:
+        policy, described = request.policy, ""
+        if policy is not None and policy.name == "memory":  # the least budget, then planned as any budget
+            budget, described = self._least_budget(joint, lowered, split, budget), describe(policy, ())
+        if policy is not None and policy.name != "memory":  # the policy decides; _make_plan checks the budget
+            recompute, described = (policy_recompute(policy, lowered.problem, lowered.nodes, split.forward,
+                                                     request.model)
+                                    if policy.checkpoints else (eager.recompute, describe(policy, ())))
+            chosen, budget = self._candidate(joint, lowered, recompute), None  # its budget: its peak
+        elif budget is not None and eager.timeline.peak + self.margin.bytes_for(budget) > budget:
             try:
                 chosen, solution, min_budget = self._fit_both(joint, lowered, split, budget)
             except InfeasibleBudgetError:
@@ -212,6 +243,8 @@ class Planner:
                     raise
                 # nothing fits under the margin, but the step as PyTorch runs it fits the budget itself
                 log.info("no plan under the margin; the eager step fits the budget: keeping everything")
+        if policy is not None and policy.name == "memory":
+            min_budget = budget
         solve_time = time.perf_counter() - start
         in_joint = {n.name for n in joint.graph.nodes}  # not the generator states passes/rng.py saves
         saved = [n.name for n in chosen.bw.graph.find_nodes(op="placeholder")
@@ -220,13 +253,13 @@ class Planner:
         offloaded = [lowered.nodes[i].name for i in sorted(chosen.offloaded)]
         exposed_s = offload_cost(lowered.problem, chosen.offloaded) / 1e9
         return Plan(
-            budget_bytes=int(budget) if budget is not None else eager.timeline.peak,
+            budget_bytes=int(budget) if budget is not None else chosen.timeline.peak, policy=described,
             baseline_peak_bytes=eager.timeline.peak,
             predicted_peak_bytes=chosen.timeline.peak, min_budget_bytes=min_budget,
             extra_flops=sum(costs[n].flops for n in recomputed), total_flops=costs.total_flops(),
             predicted_step_s=costs.total_seconds() + sum(costs[n].seconds for n in recomputed) + exposed_s,
             baseline_step_s=costs.total_seconds(), recompute=tuple(recomputed), saved=tuple(saved),
-            solver=solution.solver if solution else "none",
+            solver=solution.solver if solution else "policy" if policy is not None else "none",
             solver_status=solution.status if solution else "optimal",
             solver_gap=solution.gap if solution else 0.0, solve_time_s=solve_time,
             device=request.device.name, model=request.model, signature=request.signature, capture=request.capture,
@@ -283,7 +316,8 @@ class Planner:
         started = time.perf_counter()
         log.info("searching for the least feasible budget")
         least = least_peak(problem, request.time_limit_s * (1 - SOLVER_SHARE if large else 1))
-        low = lowest(problem, least.recompute, simulate, request.time_limit_s * LOWER_SHARE, self.allocator)
+        low = lowest(problem, least.recompute, simulate, request.time_limit_s * LOWER_SHARE, self.allocator,
+                     also=every_block_checkpointed(problem, lowered.nodes, split.forward))
         if low.timeline.peak <= budget:
             solution = make_solution(problem, low.recompute, "feasible", 0, started, "min-peak")
             relaxed = spend_slack(problem, low, solution, budget, simulate, relax_s)

@@ -113,8 +113,8 @@ def plan_rows(plan: Any, by: str = "module", all_rows: bool = False, ops_width: 
 
 
 def _solver_text(plan: Any) -> str:
-    if plan.solver == "none":
-        return "not run: the eager step fits the budget"
+    if plan.solver in ("none", "policy"):
+        return "not run: the policy decides" if plan.solver == "policy" else "not run: the eager step fits the budget"
     took = f"{plan.solve_time_s:.2f} s"
     if plan.solver_status == "optimal":
         return f"{plan.solver}: optimal (proven), {took}"
@@ -127,6 +127,7 @@ def _step_rows(plan: Any) -> list[list[str]]:
     """Peak, budget, what every plan holds, and the cost of the plan."""
     rows = [["captured as", plan.capture]] if plan.capture else []
     rows += [["loss", plan.loss]] if plan.loss else []
+    rows += [["policy", plan.policy]] if plan.policy else []
     if getattr(plan, "loss_chunks", 1) > 1:
         rows.append(["loss chunks", f"{plan.loss_chunks} (logits made, reduced and freed per chunk of "
                                     f"{plan.loss_chunk_tokens} tokens; backward makes them again: the lm head's "

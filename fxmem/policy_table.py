@@ -1,0 +1,103 @@
+"""Policies side by side: one training step planned under each named policy and a budget, for
+`fxmem.estimate(..., policies=True)`.
+
+Reads the model and example inputs; captures and traces the step once on fake tensors and plans its
+joint graph once per policy (`Planner.plan_only`), so the rows are the plans `fxmem.plan(...,
+policy=...)` makes, at the cost of one trace. Returns `PolicyRow`s and their table (tabulate, under
+120 columns). Writes nothing.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from tabulate import tabulate
+from torch._functorch.partitioners import default_partition
+
+from fxmem.capture import capture
+from fxmem.eager_step import eager_peak_within, eager_plan
+from fxmem.errors import InfeasibleBudgetError, fmt_bytes
+from fxmem.plan import Plan
+from fxmem.planner import Planner, PlanRequest
+from fxmem.policies import POLICIES, PolicyError, parse_policy
+
+
+@dataclass(frozen=True)
+class PolicyRow:
+    """One policy's (or the budget's) plan, or why there is none (`refused`)."""
+
+    name: str
+    plan: Plan | None
+    refused: str = ""
+
+    def cells(self, baseline_s: float) -> list[str]:
+        if self.plan is None:
+            return [self.name, "-", "-", "-", "-", self.refused]
+        p = self.plan
+        extra = (p.predicted_step_s / baseline_s - 1) * 100 if baseline_s else 0.0
+        values = [r for r in p.nodes if r.bytes > 0]
+        recomputed = sum(r.decision == "recompute" for r in values)
+        how = "runs eagerly (PyTorch's step holds less)" if p.runs_eagerly else (p.policy.split(": ", 1)[-1]
+                                                                                  if p.policy else "the budget's plan")
+        return [self.name, fmt_bytes(p.predicted_peak_bytes), f"+{extra:.1f}%", f"{p.extra_flops_pct:.1f}%",
+                f"{recomputed} of {len(values)}", how]
+
+
+class _PlanEach:
+    """A partitioner that plans the joint graph once per request, then splits it as AOTAutograd's
+    default partitioner does (the comparison runs nothing)."""
+
+    plan = None
+
+    def __init__(self, requests: Sequence[tuple[str, PlanRequest]]):
+        self.requests = requests
+        self.rows: list[PolicyRow] = []
+
+    def __call__(self, joint: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_kw: Any):
+        for name, request in self.requests:
+            try:
+                self.rows.append(PolicyRow(name, Planner(request).plan_only(joint, num_fwd_outputs)))
+            except (InfeasibleBudgetError, PolicyError) as exc:
+                self.rows.append(PolicyRow(name, None, _short(str(exc))))
+        return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs)
+
+
+def _short(message: str, limit: int = 70) -> str:
+    first = message.split(";")[0]
+    return first if len(first) <= limit else first[:limit - 3] + "..."
+
+
+def compare_policies(model: torch.nn.Module, args: tuple, kwargs: dict, request: PlanRequest,
+                     policies: Sequence[str] = POLICIES) -> tuple[PolicyRow, ...]:
+    """The plan of each policy (and of `request.budget_bytes`, when set) for one step of `model`
+    (already the step's module: `fxmem.loss_boundary.step_module`), from one trace on fake tensors."""
+    from fxmem.engine import ANY_BUDGET, CompiledStep, trace_on_fakes
+
+    requests = [(name, dataclasses.replace(request, policy=parse_policy(name), budget_bytes=None))
+                for name in policies]
+    if request.budget_bytes is not None:
+        requests.append((f"budget {fmt_bytes(request.budget_bytes)}", dataclasses.replace(request, policy=None)))
+    planner = _PlanEach(requests)
+    gm = capture(model, args, kwargs)
+    trace_on_fakes(CompiledStep(model, gm, planner), model, args, kwargs)
+    rows = []
+    for row in planner.rows:
+        is_speed = row.plan is not None and row.name == "speed"
+        is_budget = row.plan is not None and row.name.startswith("budget ")
+        if is_speed or is_budget:  # as fxmem.plan does: PyTorch's own step where it holds less
+            eager = eager_peak_within(model, args, kwargs, ANY_BUDGET if is_speed else request.budget_bytes,
+                                      request.resident_bytes)
+            as_eager = eager_plan(row.plan, eager) if eager is not None else None
+            row = dataclasses.replace(row, plan=as_eager or row.plan)
+        rows.append(row)
+    return tuple(rows)
+
+
+def format_policies(rows: Sequence[PolicyRow]) -> str:
+    """The policies' table: peak, extra step time over keeping everything, extra FLOPs, what is recomputed."""
+    baseline = next((r.plan.baseline_step_s for r in rows if r.plan is not None), 0.0)
+    headers = ["policy", "peak", "step time", "extra FLOPs", "recomputed", "what it does"]
+    table = tabulate([r.cells(baseline) for r in rows], headers=headers, tablefmt="simple", maxcolwidths=[None] * 5 + [46])
+    return ("policies (predicted; step time over keeping everything, as fxmem prices it)\n" + table)

@@ -36,13 +36,18 @@ def measure_peak_bytes(module: torch.nn.Module, inputs: Sequence[Any], kwargs: d
                        step: Callable[..., Any] = training_step, warmup: bool = True, keep_grads: bool = False) -> int:
     """Peak bytes of one step, gradients set to None first (as after `zero_grad()`); with `keep_grads`
     the gradients are left as they are (an accumulating micro-batch: they count, and backward adds
-    into them). With `warmup` a first, unmeasured step runs before (it compiles and plans; it also
-    trains the module once)."""
-    if warmup:
-        step(module, inputs, kwargs)
-    for p in module.parameters():
-        if not keep_grads:
+    into them). With `warmup` a first, unmeasured step runs before, from the same gradients (it
+    compiles and plans the signature measured; it also trains the module once)."""
+    def zero_grad() -> None:
+        for p in module.parameters():
             p.grad = None
+
+    if not keep_grads:
+        zero_grad()
+    if warmup:  # from the gradients the measured step starts with: it plans that step's signature
+        step(module, inputs, kwargs)
+        if not keep_grads:
+            zero_grad()
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     if device.type == "cuda":
         return _cuda_peak(device, module, inputs, kwargs, step)

@@ -118,8 +118,13 @@ def test_compile_backend_replays_dropout(replays, cnn_bounds):
     model, inputs = _cnn()
     _, least, kept = cnn_bounds
     assert least < kept
-    budget = (least + kept) // 2  # below the least found keeping every mask; the compiled graph's own least
-    reference = copy.deepcopy(model)  # search may land a little above fxmem.plan's on a busy machine
+    probe = copy.deepcopy(model)  # the least the backend names for its own graph (its search may land a
+    probe.compile(backend="fxmem", options={"budget_gb": 1 / GIB, "inner": "aot_eager", "time_limit_s": 5})
+    with pytest.raises(fxmem.InfeasibleBudgetError) as named:  # little above fxmem.plan's on a busy machine)
+        step(probe, inputs)
+    budget = named.value.min_budget_bytes
+    assert budget < kept  # below the least found keeping every mask
+    reference = copy.deepcopy(model)
     model.compile(backend="fxmem", options={"budget_gb": budget / GIB, "inner": "aot_eager", "time_limit_s": 5})
     _three_steps_like_eager(reference, model, model, inputs)
     saves, replayed = replays[-1]

@@ -176,11 +176,15 @@ class OptimizedModule(ModelWrapper):
     unchanged and an optimizer over either module's parameters trains both. `make_request(module, args,
     kwargs)` says what to plan for an input signature seen for the first time; `module` is the model, or
     the model with its own `loss` output as the step's loss (`fxmem.loss_boundary.step_module`, whose
-    `model_loss` and `keep_outputs` are `loss_options`; None: the model's outputs as they are)."""
+    `model_loss` and `keep_outputs` are `loss_options`; None: the model's outputs as they are).
+    A step is planned per input signature and per gradients resident at its start (accumulating
+    micro-batches), except with a `fixed_plan` (pipeline stages and device regions, whose plans count the
+    microbatches' gradients already): one compiled step runs whatever gradients exist."""
 
     def __init__(self, model: torch.nn.Module, make_request: Callable[[torch.nn.Module, tuple, dict], PlanRequest],
-                 loss_options: tuple[bool, bool] | None = (True, True)):
-        super().__init__(model, _make_request=make_request, _steps={}, _backward_ran={}, _loss_options=loss_options)
+                 loss_options: tuple[bool, bool] | None = (True, True), fixed_plan: bool = False):
+        super().__init__(model, _make_request=make_request, _steps={}, _backward_ran={}, _loss_options=loss_options,
+                         _fixed_plan=fixed_plan)
 
     @property
     def plans(self) -> list[Plan]:
@@ -200,7 +204,7 @@ class OptimizedModule(ModelWrapper):
         if not torch.is_grad_enabled():
             return model(*args, **kwargs)
         grads = gradient_state(model)  # accumulating micro-batches are planned with their gradients resident
-        key = (*_cache_key(model, args, kwargs), grads.key)
+        key = (*_cache_key(model, args, kwargs), None if self._fixed_plan else grads.key)
         ran = self._backward_ran.get(key)  # where this signature's backward ran last (None: not yet)
         object.__setattr__(self, "_last", (key, ran))
         step = self._steps.get((key, ran))

@@ -250,7 +250,7 @@ def pipeline_stage(model: torch.nn.Module, plan: Plan, stage_index: int, device:
     if stage_plan is not None:
         module = OptimizedModule(module, lambda _, args, kwargs: PlanRequest(
             budget_bytes=stage_plan.budget_bytes, plan=stage_plan, model=type(stage_gm).__qualname__,
-            signature=signature_of(stage_gm, args, kwargs)), loss_options=None)
+            signature=signature_of(stage_gm, args, kwargs)), loss_options=None, fixed_plan=True)
     # Static shapes from the plan (one microbatch): PipelineStage then skips its shape inference, which
     # runs the stage on uninitialised tensors (integer ids or targets there would be out of range).
     ins, outs = _stage_io(stage_gm, stage_index > 0)

@@ -167,7 +167,7 @@ def _runner(region: Region) -> torch.nn.Module:
     return OptimizedModule(module, lambda _, args, kwargs: PlanRequest(
         budget_bytes=plan.budget_bytes, plan=plan, model=type(module).__qualname__,
         signature=signature_of(module, args, kwargs), device=DeviceSpec.from_name(plan.device)
-        if plan.device in DEVICE_PRESETS else DEVICE_PRESETS["cpu"]), loss_options=None)
+        if plan.device in DEVICE_PRESETS else DEVICE_PRESETS["cpu"]), loss_options=None, fixed_plan=True)
 
 
 def _bounds_of(units: Units, plan: Plan) -> tuple[int, ...]:

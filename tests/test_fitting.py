@@ -6,6 +6,8 @@ import pytest
 import torch
 
 import fxmem
+import fxmem.engine
+import fxmem.loss_chunks
 import fxmem.fitting
 import fxmem.planner
 from fxmem import models
@@ -20,6 +22,16 @@ from tests.conftest import GIB, assert_trains_like
 def _gpt():
     torch.manual_seed(0)
     return models.from_name("gpt-tiny"), models.example_inputs("gpt-tiny")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def loss_as_traced():
+    """These tests follow the solvers' routes on one graph: the loss is planned as traced, not in chunks
+    (which plans a graph per chunk count; tests/test_chunked_loss.py covers that)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fxmem.engine, "loss_sites", lambda gm: [])
+        patch.setattr(fxmem.loss_chunks, "loss_sites", lambda gm: [])
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -27,14 +27,13 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 
 from fxmem import backward_autocast as bwa
 from fxmem.accumulation import GradientState, gradient_state
+from fxmem.attention_chunks import plan_with_rewrites, rewrites_planned
 from fxmem.capture import capture, data_dependent_error, describe_input, flat_graph_inputs, structure_outputs
 from fxmem.eager_step import EagerStep, eager_peak_within, eager_plan
 from fxmem.error_boundary import public
 from fxmem.errors import TraceError
 from fxmem.loss_boundary import step_module
-from fxmem.loss_chunks import plan_with_loss_chunks
 from fxmem.meta_device import planned_on
-from fxmem.passes.chunked_loss import loss_sites
 from fxmem.passes.dropout_backward import eager_dropout_backward
 from fxmem.plan import Plan, graph_fingerprint
 from fxmem.planner import Planner, PlanRequest
@@ -135,7 +134,7 @@ def planned_graph(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str,
         raise ValueError("no parameter requires grad: there is no training step to plan")
     with planned_on(model, request.device):  # a meta model: traced as on the device it is planned for
         gm = capture(model, args, kwargs)
-        return plan_with_loss_chunks(gm, request, lambda graph, req: _planned(model, graph, args, kwargs, req))
+        return plan_with_rewrites(gm, request, lambda graph, req: _planned(model, graph, args, kwargs, req))
 
 
 def _planned(model: torch.nn.Module, gm: torch.fx.GraphModule, args: Sequence[Any], kwargs: dict[str, Any],
@@ -241,10 +240,9 @@ class OptimizedModule(ModelWrapper):
             try:
                 if step is None:
                     gm = capture(module, args, kwargs)
-                    if request.chunk_loss and request.budget_bytes is not None and loss_sites(gm) \
-                            or getattr(request.plan, "loss_chunks", 1) > 1:
-                        with planned_on(module, request.device):  # the loss's chunk count: planned on fake tensors
-                            step = plan_with_loss_chunks(gm, request, lambda graph, req: _planned(
+                    if rewrites_planned(gm, request):
+                        with planned_on(module, request.device):  # loss/attention chunks: planned on fake tensors
+                            step = plan_with_rewrites(gm, request, lambda graph, req: _planned(
                                 module, graph, args, kwargs, req))[1]
                     else:
                         step = CompiledStep(module, gm, Planner(captured_as(request, gm)))

@@ -180,6 +180,8 @@ class Plan:
     loss: str = ""  # where the step's loss is: in the plan (loss_fn, the model's own) or outside it
     loss_chunks: int = 1  # the loss computed in this many chunks of tokens (passes/chunked_loss.py); 1: as traced
     loss_chunk_tokens: str = ""  # tokens per chunk, per loss site
+    attention_chunks: int = 1  # naive attention computed in this many chunks of queries (passes/chunked_attention.py)
+    attention_chunk_rows: str = ""  # query rows per chunk, and how many attention sites
     numerics: str = ""  # how a rewrite changes the results' rounding against eager's (empty: it does not)
     policy: str = ""  # the named policy that decided the plan, and what it did (fxmem.policies); "" for a budget's
     runs_eagerly: bool = False  # PyTorch's own step, which fits the budget below fxmem's keep-all (fxmem.eager_step)

@@ -132,6 +132,10 @@ def _step_rows(plan: Any) -> list[list[str]]:
         rows.append(["loss chunks", f"{plan.loss_chunks} (logits made, reduced and freed per chunk of "
                                     f"{plan.loss_chunk_tokens} tokens; backward makes them again: the lm head's "
                                     "matmul, in the extra FLOPs)"])
+    if getattr(plan, "attention_chunks", 1) > 1:
+        rows.append(["attention chunks", f"{plan.attention_chunks} (scores made, softmaxed and freed per chunk of "
+                                         f"{plan.attention_chunk_rows}; backward makes them again: the q @ k^T "
+                                         "matmul, in the extra FLOPs; attention with dropout p>0 is left as traced)"])
     rows += [["numerics", plan.numerics]] if getattr(plan, "numerics", "") else []
     rows.append(["gradients", f"resident ({plan.resident_gradients}): {fmt_bytes(plan.resident_gradient_bytes)} from "
                  "the start, new ones added in by backward" if plan.resident_gradient_bytes else

@@ -35,6 +35,7 @@ _FILL = {torch.masked_fill, aten.masked_fill.Scalar}
 _WHERE = {torch.where, aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf}
 _SOFTMAX = {F.softmax, torch.softmax, aten.softmax.int, aten._softmax.default}
 _DROPOUT = {F.dropout, torch.dropout, aten.dropout.default}
+_CASTS = {aten.to.dtype, aten._to_copy.default, aten.type_as.default}
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,16 @@ def _softmax_input(node: torch.fx.Node) -> torch.fx.Node | None:
     return args[0]
 
 
+def _same_dtype_cast(node: torch.fx.Node) -> bool:
+    """Whether `node` is a `.to`/`.type`/`.float` that leaves its input's dtype, shape and device (transformers'
+    `attn_weights.type(value.dtype)`)."""
+    if not (_is(node, _CASTS, ("to", "type", "float", "type_as")) and node.args):
+        return False
+    val, source = _val(node), _val(node.args[0])
+    return val is not None and source is not None and (val.dtype, val.shape, val.device) == (
+        source.dtype, source.shape, source.device)
+
+
 def _identity_dropout(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     """Whether `node` is a dropout that draws nothing (p=0, or not training)."""
     if node.op == "call_module":
@@ -164,7 +175,8 @@ def _match(gm: torch.fx.GraphModule, out: torch.fx.Node):
         return None
     probs, v = out.args
     removed = [out]
-    while isinstance(probs, torch.fx.Node) and _identity_dropout(gm, probs) and len(_readers(probs)) == 1:
+    while isinstance(probs, torch.fx.Node) and (_identity_dropout(gm, probs) or _same_dtype_cast(probs)) \
+            and len(_readers(probs)) == 1:
         removed.append(probs)
         probs = probs.args[0]
     if not isinstance(probs, torch.fx.Node) or len(_readers(probs)) != 1 or _val(probs) is None:
@@ -182,6 +194,9 @@ def _match(gm: torch.fx.GraphModule, out: torch.fx.Node):
         return None
     ops, masks, scores = [], [], node
     for step in reversed(chain):  # the ops in graph order, each reading the scores made before it
+        if _same_dtype_cast(step) and step.args[0] is scores:
+            scores = step
+            continue
         op = _score_op(step, scores, masks)
         if op is None:
             return None

@@ -123,6 +123,27 @@ def test_sites_need_dropout_that_draws_nothing_and_probabilities_nothing_else_re
     assert not attention_sites(capture(Decoder(return_probs=True), (x, pad)))
 
 
+def test_pass_on_transformers_eager_attention_equals_eager():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=32, use_cache=False,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config._attn_implementation = "eager"  # written out, with transformers' scale, mask and `.type(value.dtype)`
+    model = transformers.GPT2LMHeadModel(config).train()
+    ids = torch.randint(0, 64, (1, 32))
+    gm = capture(model, (ids,), {"labels": ids})
+    (site,) = attention_sites(gm)
+    assert (site.batch, site.queries, site.head_dim) == (2, 32, 8)
+    reference = copy.deepcopy(model)
+    expected = reference(ids, labels=ids).loss
+    expected.backward()
+    out = chunk_attention(gm, 3)(ids, labels=ids)
+    loss = out["loss"] if isinstance(out, dict) else out[0]
+    loss.backward()
+    torch.testing.assert_close(loss, expected, **TOL)
+    _assert_grads_close(model, reference)
+
+
 def _gpt(n_embd=16):
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=32, block_size=64, n_layer=1, n_head=2, n_embd=n_embd, dropout=0.0)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fxmem
-import fxmem.engine
+import fxmem.attention_chunks
 import fxmem.loss_chunks
 import fxmem.fitting
 import fxmem.planner
@@ -26,10 +26,12 @@ def _gpt():
 
 @pytest.fixture(scope="module", autouse=True)
 def loss_as_traced():
-    """These tests follow the solvers' routes on one graph: the loss is planned as traced, not in chunks
-    (which plans a graph per chunk count; tests/test_chunked_loss.py covers that)."""
+    """These tests follow the solvers' routes on one graph: the loss and attention are planned as traced, not
+    in chunks (which plans a graph per chunk count; tests/test_chunked_loss.py and test_chunked_attention.py
+    cover that)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fxmem.engine, "loss_sites", lambda gm: [])
+        patch.setattr(fxmem.attention_chunks, "loss_sites", lambda gm: [])
+        patch.setattr(fxmem.attention_chunks, "attention_sites", lambda gm: [])
         patch.setattr(fxmem.loss_chunks, "loss_sites", lambda gm: [])
         yield
 

@@ -7,7 +7,8 @@ where that does not fit or fits only by recomputing more than the scores cost, p
 in chunks (each a fresh copy of the graph rewritten by `chunk_attention`): where as traced does not
 fit, the most chunks worth making first (the loss's chunk count chosen there as fxmem.loss_chunks
 chooses it), then the fewest of 2, 4, 8, ... that fit with that loss chunk count, bisected; where it
-fits by recomputing, 2 chunks when that is predicted faster. Chunking costs the q @ kt matmul once
+fits by recomputing and the scores are a tenth of the budget or more, 2 chunks when that is predicted
+faster. Chunking costs the q @ kt matmul once
 more in backward: the plan counts it in `extra_flops` and its step time. Applying a plan rewrites the
 graph with the plan's `attention_chunks` (and `loss_chunks`). Only requests with `chunk_loss`
 (`fxmem.plan`, `fxmem.optimize`) chunk. Writes `Plan.attention_chunks`, `Plan.attention_chunk_rows` and
@@ -22,13 +23,24 @@ from typing import Any, Callable
 import torch.fx
 
 from fxmem.errors import InfeasibleBudgetError, PlanMismatchError, fmt_bytes
-from fxmem.loss_chunks import MIN_GAIN, PlanGraph, chunked_plan, copy_graph, plan_with_loss_chunks
-from fxmem.passes.chunked_attention import AttentionSite, attention_sites, chunk_attention
+from fxmem.loss_chunks import (
+    MIN_GAIN,
+    PlanGraph,
+    chunked_plan,
+    copy_graph,
+    plan_with_loss_chunks,
+)
+from fxmem.passes.chunked_attention import (
+    AttentionSite,
+    attention_sites,
+    chunk_attention,
+)
 from fxmem.passes.chunked_loss import chunk_loss, loss_sites
 
 log = logging.getLogger("fxmem")
 
 MAX_CHUNKS = 32  # more chunks lengthen the graph (each is ~20 ops a site) for a few MiB less
+WORTH_TRYING = 0.1  # where as traced fits, 2 chunks are planned too only if the scores are this share of the budget
 NUMERICS = ("attention's key, value (and additive mask) gradients summed over query chunks: equal to eager's to "
             "float reassociation")
 
@@ -100,8 +112,9 @@ def plan_with_rewrites(gm: torch.fx.GraphModule, request: Any, plan_graph: PlanG
         if sum(site.region_bytes() for site in sites) < MIN_GAIN * exc.min_budget_bytes:
             raise  # the scores are less than chunking must gain: the floor is elsewhere
         return _fewest_chunks_that_fit(chunked, most_chunks(sites), exc)
-    if traced[0].extra_flops <= sum(site.score_flops() for site in sites):
-        return traced  # chunking cannot be cheaper than what this plan recomputes
+    if traced[0].extra_flops <= sum(site.score_flops() for site in sites) \
+            or sum(site.region_bytes() for site in sites) < WORTH_TRYING * request.budget_bytes:
+        return traced  # chunking cannot be cheaper than what this plan recomputes, or frees too little to matter
     try:  # it fits, recomputing more than the scores cost: the fewest chunks may be faster
         two = chunked(2, traced[0].loss_chunks)
     except InfeasibleBudgetError:

@@ -53,6 +53,13 @@ def probe_step(model: torch.nn.Module, args: Sequence[Any], kwargs: dict, option
     return [p for p in planners if p.plan is not None]  # graphs without a backward are not planned
 
 
+def eager_random():
+    """Dynamo, by default, draws `np.random` from torch's generator (other numbers than eager's, and
+    torch's generator left elsewhere); NumPy's own stream, as eager draws it (transformers' SpecAugment
+    masks), runs the draws eagerly between the graphs."""
+    return torch._dynamo.config.patch(use_numpy_random_stream=True)
+
+
 class DynamoStep:
     """A compiled `model` whose graphs, split where Dynamo breaks, share `request`'s budget."""
 
@@ -83,6 +90,10 @@ class DynamoStep:
                 for p in plans]
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
+        with eager_random():
+            return self._step(args, kwargs)
+
+    def _step(self, args: tuple, kwargs: dict) -> Any:
         ledger = ledger_for(self.options)
         if ledger is None and torch.is_grad_enabled():  # the first step: learn which graphs use which parameters
             survey = survey_step(self.model, args, kwargs)  # and what each graph needs at least

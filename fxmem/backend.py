@@ -50,12 +50,12 @@ _LOCK = threading.Lock()
 
 
 def open_ledger(options: dict, model: torch.nn.Module | None = None, survey: list | None = None,
-                model_name: str = "", shares: list | None = None) -> Ledger:
+                model_name: str = "", shares: list | None = None, runs: dict[int, int] | None = None) -> Ledger:
     """The ledger for the torch.compile call made with `options`, told the model and the step's survey
     (`fxmem.ledger.survey_step`), so other graphs' parameters and later graphs' gradients are known."""
     with _LOCK:
         ledger = Ledger(budget_bytes(_validate(options)["budget_gb"]), model=model, survey=survey,
-                        model_name=model_name, shares=shares)
+                        model_name=model_name, shares=shares, runs=dict(runs or {}))
         _LEDGERS.pop(id(options), None)  # the newest ledger last (plans_for by value finds it first)
         _LEDGERS[id(options)] = (options, ledger)
     return ledger
@@ -133,6 +133,10 @@ class _RecordingPlanner(Planner):
         if not shares or index >= len(shares) or shares[index].plan.fingerprint != fingerprint:
             return super()._make_plan(joint, fingerprint)
         budget, earlier = self.request.budget_bytes, self.ledger.earlier_saved(self.record)
+        least = shares[index]
+        if least.runs > 1:  # a loop's graph, run once per layer: each run at its least (fxmem.graph_budget)
+            return dataclasses.replace(least.plan, budget_bytes=budget, capture=self.request.capture,
+                                       predicted_peak_bytes=least.peak + earlier + (least.runs - 1) * least.saved)
         cap = saved_cap(shares, index, budget, earlier)
         asked, target = self.request, budget
         try:
@@ -147,7 +151,6 @@ class _RecordingPlanner(Planner):
                 target -= max(plan.saved_bytes - cap, CAP_STEP_BYTES)
         finally:
             self.request = asked
-        least = shares[index]
         log.info("fxmem: %s keeps its least plan, so that the graphs after it fit", asked.capture)
         return dataclasses.replace(least.plan, budget_bytes=budget, predicted_peak_bytes=least.peak + earlier,
                                    capture=asked.capture)

@@ -12,6 +12,7 @@ import inspect
 import os
 import random
 import re
+import sys
 from typing import Any, Sequence
 
 import torch
@@ -190,8 +191,8 @@ def _check_same_outputs(model: torch.nn.Module, gm: torch.fx.GraphModule, args: 
 
 @contextlib.contextmanager
 def untouched(model: torch.nn.Module):
-    """Run code that calls `model` without a trace: its buffers and the torch, CUDA and Python
-    random states are put back afterwards."""
+    """Run code that calls `model` without a trace: its buffers and the torch, CUDA, Python and
+    NumPy random states are put back afterwards (transformers' SpecAugment masks draw from NumPy's)."""
     with _restored_buffers(model), torch.random.fork_rng(devices=_cuda_devices()), _restored_python_rng():
         yield
 
@@ -202,11 +203,14 @@ def _cuda_devices() -> list[int]:
 
 @contextlib.contextmanager
 def _restored_python_rng():
-    state = random.getstate()
+    numpy = sys.modules.get("numpy")  # only where imported: a model drawing from it imported it
+    state, numpy_state = random.getstate(), numpy.random.get_state() if numpy is not None else None
     try:
         yield
     finally:
         random.setstate(state)
+        if numpy is not None:
+            numpy.random.set_state(numpy_state)
 
 
 class _restored_buffers:

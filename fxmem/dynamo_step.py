@@ -9,7 +9,9 @@ graph of the step under the one budget; a first forward without autograd (`fxmem
 tells the ledger which graph uses which parameters, so each graph's plan counts the gradients
 later graphs produce before its backward, and a second (`probe_step`) what each
 graph needs at least, so a budget below what the graphs need together is refused before any runs
-and each graph keeps no more for backward than leaves the later graphs room. The graphs run with AOTAutograd's eager kernels
+and each graph keeps no more for backward than leaves the later graphs room. A graph a loop calls once
+per layer counts once per layer of its `ModuleList` (`fxmem.layer_loops`), the layers the first step
+skipped (LayerDrop) included. The graphs run with AOTAutograd's eager kernels
 (`inner="aot_eager"`), so training matches eager as the whole-graph path does.
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ from fxmem.budget import budget_bytes
 from fxmem.capture import untouched
 from fxmem.errors import GIB, FxmemError, InfeasibleBudgetError, TraceError
 from fxmem.graph_budget import ProbePlanner, shares_for
+from fxmem.layer_loops import every_layer
 from fxmem.ledger import Ledger, survey_step
 from fxmem.plan import Plan
 from fxmem.planner import PlanRequest
@@ -51,6 +54,13 @@ def probe_step(model: torch.nn.Module, args: Sequence[Any], kwargs: dict, option
         out = torch.compile(model, backend=backend)(*args, **kwargs)
     del out
     return [p for p in planners if p.plan is not None]  # graphs without a backward are not planned
+
+
+def eager_random():
+    """Dynamo, by default, draws `np.random` from torch's generator (other numbers than eager's, and
+    torch's generator left elsewhere); NumPy's own stream, as eager draws it (transformers' SpecAugment
+    masks), runs the draws eagerly between the graphs."""
+    return torch._dynamo.config.patch(use_numpy_random_stream=True)
 
 
 class DynamoStep:
@@ -83,17 +93,25 @@ class DynamoStep:
                 for p in plans]
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
+        with eager_random():
+            return self._step(args, kwargs)
+
+    def _step(self, args: tuple, kwargs: dict) -> Any:
         ledger = ledger_for(self.options)
         if ledger is None and torch.is_grad_enabled():  # the first step: learn which graphs use which parameters
             survey = survey_step(self.model, args, kwargs)  # and what each graph needs at least
+            survey, added = every_layer(self.model, survey)  # with every layer of a LayerDrop loop running
             probes = probe_step(self.model, args, kwargs, self.options, survey, self.name)
+            for probe in probes:
+                probe.runs = probe.record.calls + added.get(frozenset(probe.record.grads), 0)
             try:
                 shares = shares_for(probes, budget_bytes(self.options["budget_gb"]))
             except InfeasibleBudgetError as exc:
                 if not self.resident:
                     raise
                 raise refusal_with_resident(exc, self.resident, self.budget) from None
-            ledger = open_ledger(self.options, self.model, survey, self.name, shares)
+            ledger = open_ledger(self.options, self.model, survey, self.name, shares,
+                                 {p.record.index: p.runs for p in probes if p.runs > 1})
         before = [r.calls for r in ledger.records] if ledger is not None else []
         try:
             out = self.compiled(*args, **kwargs)
@@ -108,18 +126,19 @@ class DynamoStep:
         return out
 
     def _check_repeats(self, before: list[int]) -> None:
-        """Warn once when a graph ran more than once in this step: each run keeps its own activations
-        for backward, and the budget counts one."""
+        """Warn once when a graph ran more often in this step than the budget counts (once, or once per
+        layer of the loop that calls it): each run keeps its own activations for backward."""
         ledger = ledger_for(self.options)
         if self.warned or ledger is None:
             return
         before = before + [0] * (len(ledger.records) - len(before))
-        repeated = [(r.index, r.calls - b) for r, b in zip(ledger.records, before) if r.calls - b > 1]
+        repeated = [(r.index, r.calls - b, ledger.runs.get(r.index, 1)) for r, b in zip(ledger.records, before)
+                    if r.calls - b > ledger.runs.get(r.index, 1)]
         if repeated:
             self.warned = True
-            runs = ", ".join(f"graph {i} {n} times" for i, n in repeated)
-            message = (f"fxmem: one step ran {runs} (a loop with a graph break, such as LayerDrop); each run "
-                       "keeps its activations for backward but the budget counts one run, so the step may use "
-                       "more than budget_gb. Capture the loop as one graph (decide the skips outside forward) "
-                       "to plan it exactly")
+            runs = ", ".join(f"graph {i} {n} times (budgeted for {most})" for i, n, most in repeated)
+            message = (f"fxmem: one step ran {runs}: a loop with a graph break whose runs fxmem did not count (not "
+                       "one graph per layer of a ModuleList, or layers the first step skipped all of); each run keeps "
+                       "its activations for backward, so the step may use more than budget_gb. Capture the loop as "
+                       "one graph (decide the skips outside forward) to plan it exactly")
             warnings.warn(message, stacklevel=3)

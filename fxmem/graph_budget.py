@@ -12,7 +12,9 @@ While graph k runs, the graphs before it keep what they saved for their backward
 max over k of (graph k's least peak + what graphs 0..k-1 keep at their least): the least budget found
 for the step. Each graph's least is searched alone (not the pair of choices across graphs), so the
 refusal says it is the least found, not proven. A graph planned for the budget may keep more than its
-least plan does only while every later graph's least plan still fits on top (`saved_cap`).
+least plan does only while every later graph's least plan still fits on top (`saved_cap`). A graph a
+loop calls once per layer (`fxmem.layer_loops`) counts once per layer, its last run holding what its
+earlier runs keep; it keeps its least plan, so that every run of it fits.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ class GraphShare:
     saved: int
     plan: Plan
     lower_bound: int
+    runs: int = 1  # calls of this graph in the step that runs every layer (`fxmem.layer_loops`)
 
 
 class ProbePlanner(Planner):
@@ -47,6 +50,7 @@ class ProbePlanner(Planner):
     def __init__(self, request, ledger: Ledger, record: GraphRecord):
         super().__init__(request)
         self.ledger, self.record = ledger, record
+        self.runs = 1  # set by the probe: calls of this graph in the step that runs every layer
 
     def __call__(self, joint, joint_inputs, *, num_fwd_outputs: int, **kwargs):
         fw, bw = super().__call__(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
@@ -66,18 +70,20 @@ class ProbePlanner(Planner):
                 budget = max(budget + 1, exc.min_budget_bytes)
                 continue
             return GraphShare(self.record.index, self.request.capture, plan.predicted_peak_bytes, plan.saved_bytes,
-                              plan, min(bound, budget))
+                              plan, min(bound, budget), self.runs)
         raise RuntimeError(f"fxmem: {self.request.capture} was refused at the least budget its planner named")
 
 
-def need(peaks: Sequence[int], saved: Sequence[int]) -> tuple[int, int]:
+def need(peaks: Sequence[int], saved: Sequence[int], runs: Sequence[int] | None = None) -> tuple[int, int]:
     """(bytes, graph): the most the step holds while some graph runs at `peaks`, the graphs before it
-    keeping `saved`."""
+    keeping `saved` per run; a graph run `runs` times in a row (a loop's layers) runs its last time
+    with its earlier runs' saved values held too."""
     best, kept, worst = 0, 0, 0
     for k, (peak, keep) in enumerate(zip(peaks, saved)):
-        if peak + kept > best:
-            best, worst = peak + kept, k
-        kept += keep
+        times = runs[k] if runs is not None else 1
+        if peak + kept + (times - 1) * keep > best:
+            best, worst = peak + kept + (times - 1) * keep, k
+        kept += times * keep
     return best, worst
 
 
@@ -86,11 +92,12 @@ def shares_for(planners: Sequence[ProbePlanner], budget: int) -> list[GraphShare
     at their least, after checking the budget reaches what they need together."""
     eager = [p.plan for p in planners]
     margin = margin_for(eager[0].device)
-    if need([e.predicted_peak_bytes for e in eager], [e.saved_bytes for e in eager])[0] + margin.bytes_for(budget) \
-            <= budget:
+    runs = [p.runs for p in planners]
+    if need([e.predicted_peak_bytes for e in eager], [e.saved_bytes for e in eager], runs)[0] \
+            + margin.bytes_for(budget) <= budget:
         return None
     shares = [p.least() for p in planners]
-    total, k = need([s.peak for s in shares], [s.saved for s in shares])
+    total, k = need([s.peak for s in shares], [s.saved for s in shares], runs)
     least = margin.least_budget(total)
     if budget < least:
         raise refusal(budget, shares, total, k)
@@ -98,9 +105,10 @@ def shares_for(planners: Sequence[ProbePlanner], budget: int) -> list[GraphShare
 
 
 def refusal(budget: int, shares: Sequence[GraphShare], total: int, k: int) -> InfeasibleBudgetError:
-    """The step's least found, graph by graph: says it is found graph by graph, not proven."""
+    """The step's least found, graph by graph: says it is found graph by graph, not proven, and, where a
+    graph runs once per layer, that it is planned for every layer running."""
     least = _margin(shares).least_budget(total)
-    kept = sum(s.saved for s in shares[:k])
+    kept = sum(s.runs * s.saved for s in shares[:k]) + (shares[k].runs - 1) * shares[k].saved
     bound = max(s.lower_bound for s in shares)
     error = InfeasibleBudgetError(budget, least, {f"{shares[k].where} at its least": shares[k].peak,
                                                   "kept for backward by the graphs before it": kept,
@@ -112,8 +120,17 @@ def refusal(budget: int, shares: Sequence[GraphShare], total: int, k: int) -> In
                   f"backward, plus a planning margin of {fmt_bytes(least - total)}. Each graph's least is searched "
                   f"alone, so across graphs this is the least found, not proven; raise budget_gb to at least "
                   f"{gb_at_least(least)} (planned at that budget, every graph fits), lower the batch size, or "
-                  "capture the model as one graph",)
+                  "capture the model as one graph" + _looped(shares),)
     return error
+
+
+def _looped(shares: Sequence[GraphShare]) -> str:
+    """The sentence a refusal adds where a graph runs once per layer of a loop."""
+    loops = [s for s in shares if s.runs > 1]
+    if not loops:
+        return ""
+    return "; " + ", ".join(f"{s.where.split(',')[0]} runs up to {s.runs} times a step" for s in loops) + \
+        " (once per layer of a loop: the least counts every layer running, as a step that skips none does)"
 
 
 def saved_cap(shares: Sequence[GraphShare], index: int, budget: int, earlier: int) -> int | None:
@@ -124,9 +141,9 @@ def saved_cap(shares: Sequence[GraphShare], index: int, budget: int, earlier: in
         return None
     kept, most = 0, 0
     for share in later:
-        most = max(most, share.peak + kept)
-        kept += share.saved
-    return budget - _margin(shares).bytes_for(budget) - earlier - most
+        most = max(most, share.peak + kept + (share.runs - 1) * share.saved)
+        kept += share.runs * share.saved
+    return (budget - _margin(shares).bytes_for(budget) - earlier - most) // shares[index].runs
 
 
 def _margin(shares: Sequence[GraphShare]) -> Margin:

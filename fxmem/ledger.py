@@ -113,6 +113,7 @@ class Ledger:
     model_name: str = ""  # the name plans of this step carry
     records: list[GraphRecord] = field(default_factory=list)
     shares: Any = None  # the step's graphs at their least, when the budget is shared (fxmem.graph_budget)
+    runs: dict[int, int] = field(default_factory=dict)  # graph index -> calls a step makes of it, if not one
 
     def latest(self) -> list[GraphRecord]:
         """The newest record per frame (a recompilation of a frame replaces its entry)."""
@@ -143,13 +144,15 @@ class Ledger:
         return forward, forward + sum(self.later_grads(record).values())
 
     def earlier_saved(self, record: GraphRecord) -> int:
-        """Bytes the graphs that run before `record`'s keep for their backward while it runs."""
+        """Bytes the graphs that run before `record`'s keep for their backward while it runs
+        (a graph a loop calls once per layer, once per run)."""
         others = [r for r in self.latest() if r.frame != record.frame or r.frame is None]
         first: dict[Any, int] = {}
         for r in self.records:
             first.setdefault(r.frame if r.frame is not None else id(r), r.index)
         order = first.get(record.frame if record.frame is not None else id(record), record.index)
-        return sum(r.saved_bytes for r in others if first.get(r.frame if r.frame is not None else id(r), r.index) < order)
+        return sum(r.saved_bytes * self.runs.get(r.index, 1) for r in others
+                   if first.get(r.frame if r.frame is not None else id(r), r.index) < order)
 
     def later_grads(self, record: GraphRecord) -> Storages:
         """Gradients later graph calls of the step produce before this graph's backward runs."""

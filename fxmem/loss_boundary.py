@@ -26,6 +26,7 @@ from fxmem.wrapper import ModelWrapper
 log = logging.getLogger("fxmem")
 
 LOSS_FN = "loss_fn (in the plan)"
+DROP_OUTPUTS = "keep_outputs=False drops them"
 RETURNED = "the model's output (in the plan)"
 OUTSIDE = "outside the plan"
 _warned: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
@@ -48,7 +49,7 @@ class Boundary:
             return RETURNED
         if self.kind == "field" and keep_outputs:
             return (f"the model's `loss` output; other outputs returned detached ({fmt_bytes(self.other_bytes)}, "
-                    "held to the step's end; keep_outputs=False drops them)")
+                    f"held to the step's end; {DROP_OUTPUTS})")
         if self.kind == "field":
             return "the model's `loss` output; other outputs not returned (keep_outputs=False)"
         if self.kind == "outside":

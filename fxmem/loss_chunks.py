@@ -7,7 +7,9 @@ where 1 chunk does not fit, the fewest of 2, 4, 8, ... that fits (bisected from 
 where it fits by recomputing, 2 chunks when that is predicted faster. Chunking costs the lm head's
 matmul once more in backward: the plan counts it in `extra_flops` and its step time. Applying a plan
 rewrites the graph with the plan's `loss_chunks`. Only requests with `chunk_loss` (`fxmem.plan`,
-`fxmem.optimize`) chunk: pipeline stages and device regions plan their graphs as traced. Writes
+`fxmem.optimize`) chunk: pipeline stages and device regions plan their graphs as traced. A model whose
+other outputs are returned beside its `labels=` loss keeps its logits, which no chunking frees: its
+refusal says `keep_outputs=False` lets the loss be chunked. Writes
 `Plan.loss_chunks`, `Plan.loss_chunk_tokens` and `Plan.numerics`; nothing to disk.
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any, Callable
 import torch.fx
 
 from fxmem.errors import InfeasibleBudgetError, PlanMismatchError, fmt_bytes
+from fxmem.loss_boundary import DROP_OUTPUTS
 from fxmem.passes.chunked_loss import LossSite, chunk_loss, loss_sites
 
 log = logging.getLogger("fxmem")
@@ -82,7 +85,14 @@ def plan_with_loss_chunks(gm: torch.fx.GraphModule, request: Any, plan_graph: Pl
                 "whose logits nothing else reads; make a new plan with fxmem.plan(...) for this model")
         return plan_graph(chunk_loss(copy_graph(gm), chunks), request)
     if not sites or request.budget_bytes is None or not request.chunk_loss:
-        return plan_graph(gm, request)
+        try:
+            return plan_graph(gm, request)
+        except InfeasibleBudgetError as exc:
+            if request.chunk_loss and DROP_OUTPUTS in (getattr(request, "loss", "") or ""):
+                exc.args = (f"{exc.args[0]}; the model's other outputs (its logits) are returned and held to the "
+                            f"step's end, so its loss cannot be computed in chunks of tokens: {DROP_OUTPUTS} and "
+                            "lets fxmem chunk an lm head's cross-entropy",)
+            raise
 
     def chunked(chunks: int) -> tuple[Any, Any]:
         plan, step = plan_graph(chunk_loss(copy_graph(gm), chunks), request)

@@ -5,15 +5,24 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 
 import fxmem
+from fxmem.dynamo_step import eager_random
 from fxmem.graph_budget import need, saved_cap
 from fxmem.measure import measure_peak_bytes
 from fxmem.margin import margin_for
-from tests.conftest import GIB, step
+from tests.conftest import GIB
+from tests.conftest import step as torch_step
+
+
+def step(module, inputs, kwargs=None, seed=1234):
+    """A training step from `seed` for torch's and NumPy's generators (SpecAugment masks draw from NumPy's)."""
+    np.random.seed(seed)
+    return torch_step(module, inputs, kwargs, seed)
 
 
 @pytest.fixture(autouse=True)
@@ -39,10 +48,14 @@ class _TwoHalves(nn.Module):
         return self.second(h).square().mean()
 
 
-def _refused_then_met(model, args, kwargs, fraction):
+def _refused_then_met(model, args, kwargs, fraction, seeds=(0,), compiled_reference=False, eager_seed=None):
     """Refused at `fraction` of eager's peak; the least it names accepted by the next call, whose
-    measured peak is within it and whose gradients equal eager's."""
-    eager = measure_peak_bytes(copy.deepcopy(model), args, kwargs)
+    gradients equal eager's (with `compiled_reference`, those of Dynamo's own graphs with eager
+    kernels, `backend="aot_eager"`, whose sums across graphs may round otherwise than eager's) and
+    whose measured peak is within it in a step from each of `seeds` (other masks, other layers dropped).
+    `fraction` is of eager's step from `eager_seed` (None: unseeded)."""
+    eager = measure_peak_bytes(copy.deepcopy(model), args, kwargs,
+                               **({} if eager_seed is None else {"step": lambda m, a, k: step(m, a, k, eager_seed)}))
     low = int(fraction * eager)
     with pytest.raises(fxmem.InfeasibleBudgetError) as refused:
         step(fxmem.optimize(copy.deepcopy(model), budget_gb=low / GIB, time_limit_s=1), args, kwargs)
@@ -51,7 +64,9 @@ def _refused_then_met(model, args, kwargs, fraction):
     torch._dynamo.reset()
     reference, candidate = copy.deepcopy(model), copy.deepcopy(model)
     optimized = fxmem.optimize(candidate, budget_gb=least / GIB, time_limit_s=1)
-    out, expected = step(optimized, args, kwargs), step(reference, args, kwargs)
+    runner = torch.compile(reference, backend="aot_eager") if compiled_reference else reference
+    with eager_random():
+        out, expected = step(optimized, args, kwargs), step(runner, args, kwargs)
     loss = lambda o: o if isinstance(o, torch.Tensor) else o.loss  # noqa: E731
     torch.testing.assert_close(loss(out), loss(expected), atol=0, rtol=0)
     ref = dict(reference.named_parameters())
@@ -60,8 +75,9 @@ def _refused_then_met(model, args, kwargs, fraction):
         if p.grad is not None:
             torch.testing.assert_close(p.grad, ref[name].grad, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
     assert len(optimized.plans) > 1
-    measured = measure_peak_bytes(optimized, args, kwargs)
-    assert measured <= least, f"measured {measured} > the least named {least}"
+    for seed in seeds:
+        measured = measure_peak_bytes(optimized, args, kwargs, step=lambda m, a, k: step(m, a, k, seed), warmup=False)
+        assert measured <= least, f"seed {seed}: measured {measured} > the least named {least}"
     return refused.value
 
 
@@ -81,9 +97,55 @@ def test_wav2vec2_ctc_refused_names_a_least_the_next_call_meets():
     _refused_then_met(model, (torch.randn(2, 1600),), {"labels": torch.randint(1, 32, (2, 20))}, 0.3)
 
 
+def test_wav2vec2_ctc_with_time_masking_refused_names_a_least_the_next_call_meets():
+    """SpecAugment's time masks (transformers' default mask_time_prob) are drawn from NumPy's generator
+    between Dynamo's graphs: the same masks as eager's, and every step's masks within the least named."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.Wav2Vec2ForCTC(transformers.Wav2Vec2Config(
+        vocab_size=32, layerdrop=0.0, conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3),
+        num_feat_extract_layers=2, num_hidden_layers=1, num_attention_heads=4, hidden_size=64, intermediate_size=128))
+    assert model.config.mask_time_prob > 0
+    model.train()
+    _refused_then_met(model, (torch.randn(2, 1600),), {"labels": torch.randint(1, 32, (2, 20))}, 0.3, seeds=(0, 1, 2))
+
+
+def _layers_run(model, args, kwargs, seed):
+    """Which encoder layers an eager step from `seed` runs (LayerDrop skips the others)."""
+    ran = []
+    hooks = [layer.register_forward_hook(lambda *_, k=k: ran.append(k))
+             for k, layer in enumerate(model.wav2vec2.encoder.layers)]
+    with torch.no_grad():
+        np.random.seed(seed), torch.manual_seed(seed), model(*args, **kwargs)
+    for hook in hooks:
+        hook.remove()
+    return ran
+
+
+def test_wav2vec2_ctc_with_layerdrop_every_step_within_the_least_named():
+    """LayerDrop decides per layer, eagerly, whether the layer's graph runs: the first step skips a
+    layer, later steps run one layer or all three, and each is within the least the refusal named."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.Wav2Vec2ForCTC(transformers.Wav2Vec2Config(
+        vocab_size=32, layerdrop=0.5, mask_time_prob=0.0, conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3),
+        num_feat_extract_layers=2, num_hidden_layers=3, num_attention_heads=4, hidden_size=64, intermediate_size=128))
+    model.train()
+    args, kwargs = (torch.randn(2, 1600),), {"labels": torch.randint(1, 32, (2, 20))}
+    seeds = (4, 6, 7)
+    runs = [len(_layers_run(copy.deepcopy(model), args, kwargs, seed)) for seed in (1234, *seeds)]
+    assert runs[0] < 3 and runs[2] == 3 and min(runs[1:]) < 3, runs  # the planned step skips; later ones vary
+    error = _refused_then_met(model, args, kwargs, 0.3, seeds=seeds, compiled_reference=True, eager_seed=seeds[1])
+    assert "up to 3 times a step" in str(error), error
+
+
 def test_need_counts_what_earlier_graphs_keep():
     assert need([10, 5, 8], [4, 3, 1]) == (15, 2)  # graph 2 runs while graphs 0 and 1 keep 7
     assert need([10], [100]) == (10, 0)
+    # graph 1 runs three times (a loop's layers): its last run holds its first two runs' 3 each, and
+    # graph 2 runs while graph 0 keeps 4 and graph 1's three runs keep 9
+    assert need([10, 5, 8], [4, 3, 1], [1, 3, 1]) == (21, 2)
+    assert need([10, 12, 8], [4, 3, 1], [1, 3, 1]) == (22, 1)
 
 
 def test_saved_cap_leaves_later_graphs_their_least():
@@ -95,3 +157,8 @@ def test_saved_cap_leaves_later_graphs_their_least():
     assert saved_cap(shares, 0, budget, earlier=0) == budget - margin_for("cpu").bytes_for(budget) - 50
     assert saved_cap(shares, 1, budget, earlier=10) == budget - margin_for("cpu").bytes_for(budget) - 10 - 30
     assert saved_cap(shares, 2, budget, earlier=0) is None
+    looped = [GraphShare(k, "", peak, saved, None, 0, runs) for k, (peak, saved, runs)
+              in enumerate([(50, 10, 1), (40, 20, 3), (30, 0, 1)])]
+    # graph 1's last run needs 40 + its two earlier runs' 40; graph 2 needs 30 + the 60 its three runs keep
+    assert saved_cap(looped, 0, budget, earlier=0) == budget - margin_for("cpu").bytes_for(budget) - 90
+    assert saved_cap(looped, 1, budget, earlier=10) == (budget - margin_for("cpu").bytes_for(budget) - 10 - 30) // 3

@@ -27,7 +27,8 @@ from fxmem.measure import measure_peak_bytes
 from fxmem.optimizer_state import bytes_per_param_byte
 from fxmem.plan import Plan
 
-MAX_ROUNDS = 5  # block budgets tried per plan: each round lowers it by the rank's overshoot
+MAX_ROUNDS = 5  # block budgets tried per plan (each one a block plan and a simulated rank step)
+CLOSE = 0.01    # a plan within 1% below the budget is taken
 
 
 @dataclass(frozen=True)
@@ -94,19 +95,22 @@ def shard(model: torch.nn.Module, mesh: Any, plan: FsdpPlan | None = None, block
         blocks, reshard_after_forward = plan.blocks, plan.reshard_after_forward
     _, units = block_list(model, blocks)
     block_plan = plan.block() if plan is not None else None
+    first = None
     for block in units:
         cls = type(block)
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
         if block_plan is not None:
-            _install(block, cls, block_plan)
+            first = _install(block, cls, block_plan, first)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
     return model
 
 
-def _install(block: torch.nn.Module, cls: type, block_plan: Plan) -> None:
+def _install(block: torch.nn.Module, cls: type, block_plan: Plan, first: Any = None) -> Any:
     """Run `block_plan`'s compiled step as `block`'s forward. FSDP2's hooks stay on `block` (gather before,
     reshard after, reduce-scatter after backward); the step runs on a twin of the block of its own class
-    sharing its parameter, buffer and submodule dicts, so it reads the parameters FSDP2 gathered."""
+    sharing its parameter, buffer and submodule dicts, so it reads the parameters FSDP2 gathered. The
+    blocks share the `first` block's compiled steps (a step takes the parameters at each call): identical
+    blocks compile once."""
     twin = cls.__new__(cls)
     torch.nn.Module.__init__(twin)
     for key, value in block.__dict__.items():
@@ -114,8 +118,12 @@ def _install(block: torch.nn.Module, cls: type, block_plan: Plan) -> None:
             twin.__dict__[key] = value
     with quiet():
         step = api.optimize(twin, plan=block_plan, model_loss=False)
+    if first is not None:
+        object.__setattr__(step, "_steps", first._steps)
+        object.__setattr__(step, "_backward_ran", first._backward_ran)
     block.forward = lambda *args, **kwargs: _quiet_call(step, args, kwargs)
     block.__dict__["fxmem_step"] = step  # what `forward` runs (its `.plan`); not a submodule: it shares the dicts
+    return first if first is not None else step
 
 
 def _quiet_call(step: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -231,11 +239,12 @@ def plan_fsdp(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget
     block = units[0]
     with quiet():
         keep = api.plan(block, args, example_kwargs=kw, model_loss=False)
-    target = keep.predicted_peak_bytes - (eager - budget)
-    best = least = None
+    points = [(keep.predicted_peak_bytes, eager)]  # (block peak, rank peak); keep-all ~ eager blocks
+    tried: dict[tuple, FsdpPlan] = {}  # block plan -> the rank it gives (another budget may give the same plan)
+    target, best, best_at, over_at, least, last = keep.predicted_peak_bytes - (eager - budget), None, 0, \
+        keep.predicted_peak_bytes, 0, None
     for _ in range(MAX_ROUNDS):
-        if least is not None and target < least:
-            target = least
+        target = int(max(target, least))
         try:
             with quiet():
                 block_plan = api.plan(block, args, target / 2**30, example_kwargs=kw, model_loss=False,
@@ -243,19 +252,44 @@ def plan_fsdp(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget
         except InfeasibleBudgetError as exc:
             least = target = exc.min_budget_bytes
             continue
-        trial = FsdpPlan(world_size, path, reshard_after_forward, budget, 0, block_plan=block_plan.to_dict())
-        peak, parts = rank_peak(model, example_inputs, example_kwargs, trial, optimizer)
-        best = _with(trial, peak, parts, block_plan.to_dict(), eager)
-        if peak <= budget or target == least:
+        at = block_plan.predicted_peak_bytes  # a plan is placed by its block peak
+        key = (at, block_plan.extra_flops_pct)  # the same decision, met again at another block budget
+        if key in tried or best is not None and at <= best_at:
+            break  # a decision met before, or one below the best that fits: the search has settled
+        if key not in tried:
+            trial = FsdpPlan(world_size, path, reshard_after_forward, budget, 0, block_plan=block_plan.to_dict())
+            tried[key] = _with(trial, *rank_peak(model, example_inputs, example_kwargs, trial, optimizer),
+                               block_plan.to_dict(), eager)
+        last = tried[key]
+        peak = last.predicted_peak_bytes
+        points.append((at, peak))
+        if peak <= budget and (best is None or at > best_at):
+            best, best_at = last, at
+        elif peak > budget:
+            over_at = min(over_at, at)
+        if peak > budget and target <= least or 0 <= budget - peak <= CLOSE * budget:
             break
-        target -= peak - budget
-    if best is None or best.predicted_peak_bytes > budget:
-        least_peak = best.predicted_peak_bytes if best is not None else eager
-        raise InfeasibleBudgetError(budget, least_peak, best.parts if best is not None else plan.parts,
-                                    proven=False)
+        target = _next_target(points, budget, best_at if best is not None else least, over_at)
+        if target is None:
+            break
+    if best is None:
+        raise InfeasibleBudgetError(budget, last.predicted_peak_bytes if last else eager,
+                                    (last or plan).parts, proven=False)
     return best
 
 
-def _with(plan: FsdpPlan, peak: int, parts: RankParts, block_plan: dict | None, eager: int) -> FsdpPlan:
+def _next_target(points: list[tuple[int, int]], budget: int, low: int, high: int) -> int | None:
+    """The block budget whose rank peak meets `budget` on the line through the last two trials (the rank
+    holds several blocks' activations, so it moves faster than the block's budget), kept strictly inside
+    (`low`, `high`): the best block budget that fits and the least that did not."""
+    (b1, r1), (b2, r2) = points[-2:]
+    slope = (r1 - r2) / (b1 - b2) if b1 != b2 and r1 != r2 else 1.0
+    guess = b2 + (budget - r2) / max(slope, 1e-3)
+    if not low < guess < high:
+        guess = (low + high) / 2
+    return int(guess) if high - low > CLOSE * budget else None
+
+
+def _with(plan: FsdpPlan, peak: int, parts: RankParts, block_plan: dict | None, eager: int = 0) -> FsdpPlan:
     return FsdpPlan(plan.world_size, plan.blocks, plan.reshard_after_forward, plan.budget_bytes, peak,
                     parts.as_dict(), block_plan, eager)

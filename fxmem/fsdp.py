@@ -206,6 +206,21 @@ def counter_bytes(optimizer: Any, model: torch.nn.Module) -> int:
         4 * sum(p.requires_grad for p in model.parameters())
 
 
+def full_checkpoint_peak(model: torch.nn.Module, inputs: Sequence[Any] = (), *, world_size: int,
+                         kwargs: dict | None = None, optimizer: Any = None, blocks: str | None = None,
+                         reshard_after_forward: bool = True) -> int:
+    """The baseline: one rank's simulated peak with every block checkpointed by torch (torchtitan's full
+    activation checkpointing: `checkpoint_wrapper` on each block, then `fully_shard`), optimizer state
+    included."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    copied = copy.deepcopy(model)
+    path, units = block_list(copied, blocks)
+    for i, block in enumerate(units):
+        units[i] = checkpoint_wrapper(block)
+    plan = FsdpPlan(world_size, path, reshard_after_forward, None, 0)
+    return rank_peak(copied, inputs, kwargs, plan, optimizer)[0]
+
+
 def sharded_bytes(model: torch.nn.Module) -> int:
     return sum(p.to_local().numel() * p.element_size() for p in model.parameters())
 
@@ -220,10 +235,11 @@ def unit_bytes(model: torch.nn.Module, blocks: str) -> tuple[int, list[int]]:
 
 def plan_fsdp(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: float | None = None, *,
               world_size: int, example_kwargs: dict | None = None, optimizer: Any = None, blocks: str | None = None,
-              reshard_after_forward: bool = True, time_limit_s: float = 10.0) -> FsdpPlan:
+              reshard_after_forward: bool = True, time_limit_s: float = 10.0, rounds: int = MAX_ROUNDS) -> FsdpPlan:
     """Plan one rank of an FSDP2 job of `world_size` ranks under `budget_gb` per rank. The blocks run
     eagerly where that fits; otherwise every block runs one fxmem block plan, planned under the block
-    budget that makes the rank's simulated peak fit (lowered by the overshoot, at most `MAX_ROUNDS` times).
+    budget that makes the rank's simulated peak fit (at most `rounds` block budgets, each one block plan
+    and one simulated step).
     `model` is unsharded, on the CPU; call before any process group exists (or offline) and give the plan
     to every rank (`FsdpPlan.save` / `load`), so every rank runs the same one."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -243,7 +259,7 @@ def plan_fsdp(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget
     tried: dict[tuple, FsdpPlan] = {}  # block plan -> the rank it gives (another budget may give the same plan)
     target, best, best_at, over_at, least, last = keep.predicted_peak_bytes - (eager - budget), None, 0, \
         keep.predicted_peak_bytes, 0, None
-    for _ in range(MAX_ROUNDS):
+    for _ in range(rounds):
         target = int(max(target, least))
         try:
             with quiet():

@@ -118,7 +118,7 @@ def planned():
         low = eager.predicted_peak_bytes - 0.15 * eager.parts["activations_and_buffers"]
         for tag, budget in (("fits", eager.predicted_peak_bytes), ("recompute", low)):
             plans[f"{name}:{tag}"] = plan_fsdp(model, args, budget / 2**30, world_size=WORLD, example_kwargs=kwargs,
-                                               optimizer="adamw")
+                                               optimizer="adamw", rounds=2)
     return plans
 
 

@@ -260,7 +260,7 @@ def plan_fsdp(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget
     target, best, best_at, over_at, least, last = keep.predicted_peak_bytes - (eager - budget), None, 0, \
         keep.predicted_peak_bytes, 0, None
     for _ in range(rounds):
-        target = int(max(target, least))
+        target = int(max(target, least, 1))  # below the least, the block planner names the least
         try:
             with quiet():
                 block_plan = api.plan(block, args, target / 2**30, example_kwargs=kw, model_loss=False,

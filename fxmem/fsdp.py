@@ -133,8 +133,8 @@ def _quiet_call(step: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
 
 def block_inputs(model: torch.nn.Module, units: torch.nn.ModuleList, inputs: Sequence[Any],
                  kwargs: dict | None) -> tuple[tuple, dict]:
-    """The first block's arguments in a forward of `model` on the example inputs (floating-point tensors
-    require grad, as a block's input does in training)."""
+    """The first block's arguments in a forward of `model` on the example inputs, copied; the first (the
+    hidden state) requires grad, as a block's input does in training."""
     seen: list = []
     handle = units[0].register_forward_pre_hook(lambda _, a, k: seen.append((a, k)) or None, with_kwargs=True)
     try:

@@ -13,7 +13,7 @@ import copy
 import json
 import os
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -42,6 +42,7 @@ class FsdpPlan:
     parts: dict[str, int] = field(default_factory=dict)
     block_plan: dict | None = None
     eager_peak_bytes: int = 0     # the same rank with eager blocks (FSDP2 alone)
+    checkpoint_blocks: bool = False  # torch's checkpoint on every block (where no fxmem block plan fits)
 
     def block(self) -> Plan | None:
         return None if self.block_plan is None else Plan.from_dict(self.block_plan, source="FsdpPlan.block_plan")
@@ -55,8 +56,8 @@ class FsdpPlan:
         if self.budget_bytes is not None:
             rows.insert(2, ("budget per rank", fmt_bytes(self.budget_bytes)))
         block = self.block()
-        rows.append(("block step", "eager" if block is None else
-                     f"fxmem plan, {block.extra_flops_pct:.1f}% extra FLOPs in each block"))
+        rows.append(("block step", "torch checkpoint on every block" if self.checkpoint_blocks else "eager"
+                     if block is None else f"fxmem plan, {block.extra_flops_pct:.1f}% extra FLOPs in each block"))
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
@@ -90,6 +91,7 @@ def shard(model: torch.nn.Module, mesh: Any, plan: FsdpPlan | None = None, block
           reshard_after_forward: bool = True) -> torch.nn.Module:
     """`fully_shard` every block, then the root (torchtitan's wrapping), in place; with a plan whose blocks
     recompute, every block runs the plan's block step (FSDP2 gathers its parameters around it)."""
+    from torch.distributed._composable import checkpoint
     from torch.distributed.fsdp import fully_shard
     if plan is not None:
         blocks, reshard_after_forward = plan.blocks, plan.reshard_after_forward
@@ -98,6 +100,8 @@ def shard(model: torch.nn.Module, mesh: Any, plan: FsdpPlan | None = None, block
     first = None
     for block in units:
         cls = type(block)
+        if plan is not None and plan.checkpoint_blocks:
+            checkpoint(block)  # torch's composable checkpoint: the parameters keep their names
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
         if block_plan is not None:
             first = _install(block, cls, block_plan, first)
@@ -210,15 +214,10 @@ def full_checkpoint_peak(model: torch.nn.Module, inputs: Sequence[Any] = (), *, 
                          kwargs: dict | None = None, optimizer: Any = None, blocks: str | None = None,
                          reshard_after_forward: bool = True) -> int:
     """The baseline: one rank's simulated peak with every block checkpointed by torch (torchtitan's full
-    activation checkpointing: `checkpoint_wrapper` on each block, then `fully_shard`), optimizer state
+    activation checkpointing: torch's checkpoint on each block, then `fully_shard`), optimizer state
     included."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    copied = copy.deepcopy(model)
-    path, units = block_list(copied, blocks)
-    for i, block in enumerate(units):
-        units[i] = checkpoint_wrapper(block)
-    plan = FsdpPlan(world_size, path, reshard_after_forward, None, 0)
-    return rank_peak(copied, inputs, kwargs, plan, optimizer)[0]
+    plan = FsdpPlan(world_size, block_list(model, blocks)[0], reshard_after_forward, None, 0, checkpoint_blocks=True)
+    return rank_peak(model, inputs, kwargs, plan, optimizer)[0]
 
 
 def sharded_bytes(model: torch.nn.Module) -> int:
@@ -288,9 +287,14 @@ def plan_fsdp(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget
         target = _next_target(points, budget, best_at if best is not None else least, over_at)
         if target is None:
             break
-    if best is None:
-        raise InfeasibleBudgetError(budget, last.predicted_peak_bytes if last else eager,
-                                    (last or plan).parts, proven=False)
+    if best is None:  # no fxmem block plan fits: torch's checkpoint on every block may
+        full = FsdpPlan(world_size, path, reshard_after_forward, budget, 0, checkpoint_blocks=True)
+        full = replace(_with(full, *rank_peak(model, example_inputs, example_kwargs, full, optimizer), None, eager),
+                       checkpoint_blocks=True)
+        if full.predicted_peak_bytes <= budget:
+            return full
+        lowest = min([full] + ([last] if last else []), key=lambda p: p.predicted_peak_bytes)
+        raise InfeasibleBudgetError(budget, lowest.predicted_peak_bytes, lowest.parts, proven=False)
     return best
 
 

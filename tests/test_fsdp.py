@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fxmem.fsdp import FsdpPlan, plan_fsdp
+from fxmem.fsdp import FsdpPlan, full_checkpoint_peak, plan_fsdp
 from fxmem.fsdp_memory import in_flight_blocks, rank_parts
 
 WORLD = 2
@@ -110,8 +110,9 @@ def _rank(rank: int, port: int, plans: dict, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def planned():
-    """Per case, two per-rank budgets: FSDP2's own peak (the blocks run eagerly) and 85% of what it
-    holds above parameter shards and gathered units (every block runs an fxmem plan)."""
+    """Per case, two per-rank budgets: FSDP2's own peak (the blocks run eagerly) and that less 15% of what
+    it holds beside parameter shards and gathered units (every block runs an fxmem plan); and the Llama at
+    the peak of torch's checkpointing on every block."""
     plans = {}
     for name, make in CASES.items():
         model, args, kwargs = make()
@@ -120,6 +121,10 @@ def planned():
         low = eager.predicted_peak_bytes - 0.15 * eager.parts["activations_and_buffers"]
         plans[f"{name}:recompute"] = plan_fsdp(model, args, low / 2**30, world_size=WORLD, example_kwargs=kwargs,
                                                optimizer="adamw", rounds=1)
+    model, args, kwargs = llama_case()  # at torch's full checkpointing's peak: fxmem's blocks, else torch's
+    full = full_checkpoint_peak(model, args, world_size=WORLD, kwargs=kwargs, optimizer="adamw")
+    plans["llama:full"] = plan_fsdp(model, args, full / 2**30, world_size=WORLD, example_kwargs=kwargs,
+                                    optimizer="adamw", rounds=1)
     return plans
 
 

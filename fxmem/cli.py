@@ -91,6 +91,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", type=_positive, help="split the model into S pipeline stages")
     p.add_argument("--schedule", help="pipeline schedule, with --stages (e.g. gpipe, 1f1b)")
     p.add_argument("--microbatches", type=_positive, help="pipeline microbatches, with --stages")
+    p.add_argument("--world-size", type=_positive, help="plan one rank of an FSDP2 job of N ranks (docs/fsdp.md)")
     p.add_argument("--solver", default="auto", help="auto (default: exact on small graphs, layered on repeated "
                    "layers, else cpsat), cpsat, exact, layered or greedy")
     p.add_argument("--time-limit", type=float, default=10.0, help="solver time limit, seconds (default 10)")
@@ -359,6 +360,9 @@ def run(args: argparse.Namespace) -> None:
         if args.estimate:
             with Progress(f"estimating {what}", quiet=args.quiet):
                 return _estimate(args, model, inputs)
+        if args.world_size:
+            from fxmem.cli_fsdp import run_fsdp
+            return run_fsdp(args, model, inputs)
         if args.check:
             return _check(args, model, inputs)
         if args.budget_gb is None and args.policy is None:

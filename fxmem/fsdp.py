@@ -1,0 +1,315 @@
+"""FSDP2 ranks: fxmem's block plan run inside `fully_shard`-ed blocks, planned under a per-rank budget.
+
+Reads an unsharded model, its example inputs and a world size; writes nothing (an `FsdpPlan` is JSON that
+`save` writes where asked). `plan_fsdp` plans one block's step with fxmem and simulates one rank's whole
+step under torch's fake process group (one process, no communication: every collective returns
+buffers of the right size), metered by MemTracker; `shard` applies FSDP2 as torchtitan does (every block,
+then the root) with the block plan's compiled step installed in every block (`docs/fsdp.md`).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import warnings
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from fxmem import api
+from fxmem.budget import budget_bytes as to_bytes
+from fxmem.errors import FxmemError, InfeasibleBudgetError, fmt_bytes
+from fxmem.fsdp_memory import RankParts, rank_parts
+from fxmem.measure import measure_peak_bytes
+from fxmem.optimizer_state import bytes_per_param_byte
+from fxmem.plan import Plan
+
+MAX_ROUNDS = 5  # block budgets tried per plan (each one a block plan and a simulated rank step)
+CLOSE = 0.01    # a plan within 1% below the budget is taken
+
+
+@dataclass(frozen=True)
+class FsdpPlan:
+    """One rank's plan: the block plan every block runs (None: blocks run eagerly) and what it gives."""
+    world_size: int
+    blocks: str                   # module path of the ModuleList whose children are the FSDP units
+    reshard_after_forward: bool
+    budget_bytes: int | None
+    predicted_peak_bytes: int     # the rank's step, optimizer state included
+    parts: dict[str, int] = field(default_factory=dict)
+    block_plan: dict | None = None
+    eager_peak_bytes: int = 0     # the same rank with eager blocks (FSDP2 alone)
+    checkpoint_blocks: bool = False  # torch's checkpoint on every block (where no fxmem block plan fits)
+
+    def block(self) -> Plan | None:
+        return None if self.block_plan is None else Plan.from_dict(self.block_plan, source="FsdpPlan.block_plan")
+
+    def table(self) -> str:
+        """Per rank (every rank holds the same): shards, gathered units, activations, predicted peak."""
+        rows = [("world size", str(self.world_size)), ("FSDP units", f"{self.blocks}.* + root")]
+        rows += [(name.replace("_", " "), fmt_bytes(n)) for name, n in self.parts.items()]
+        rows += [("predicted peak per rank", fmt_bytes(self.predicted_peak_bytes)),
+                 ("FSDP2 eager blocks, per rank", fmt_bytes(self.eager_peak_bytes))]
+        if self.budget_bytes is not None:
+            rows.insert(2, ("budget per rank", fmt_bytes(self.budget_bytes)))
+        block = self.block()
+        rows.append(("block step", "torch checkpoint on every block" if self.checkpoint_blocks else "eager"
+                     if block is None else f"fxmem plan, {block.extra_flops_pct:.1f}% extra FLOPs in each block"))
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    def save(self, path: str | os.PathLike) -> None:
+        with open(path, "w") as f:
+            f.write(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "FsdpPlan":
+        with open(path) as f:
+            return cls(**json.load(f))
+
+
+def block_list(model: torch.nn.Module, blocks: str | None = None) -> tuple[str, torch.nn.ModuleList]:
+    """The ModuleList whose children become FSDP units: `blocks` (a module path), else the longest one."""
+    if blocks is not None:
+        found = model.get_submodule(blocks)
+        if not isinstance(found, torch.nn.ModuleList) or not len(found):
+            raise ValueError(f"blocks={blocks!r} is not a non-empty ModuleList of {type(model).__name__}")
+        return blocks, found
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    if not lists:
+        raise ValueError(f"{type(model).__name__} has no ModuleList of blocks to shard; pass blocks='path.to.list'")
+    return max(lists, key=lambda item: len(item[1]))
+
+
+def shard(model: torch.nn.Module, mesh: Any, plan: FsdpPlan | None = None, blocks: str | None = None,
+          reshard_after_forward: bool = True) -> torch.nn.Module:
+    """`fully_shard` every block, then the root (torchtitan's wrapping), in place; with a plan whose blocks
+    recompute, every block runs the plan's block step (FSDP2 gathers its parameters around it)."""
+    from torch.distributed._composable import checkpoint
+    from torch.distributed.fsdp import fully_shard
+    if plan is not None:
+        blocks, reshard_after_forward = plan.blocks, plan.reshard_after_forward
+    _, units = block_list(model, blocks)
+    block_plan = plan.block() if plan is not None else None
+    first = None
+    for block in units:
+        cls = type(block)
+        if plan is not None and plan.checkpoint_blocks:
+            checkpoint(block)  # torch's composable checkpoint: the parameters keep their names
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        if block_plan is not None:
+            first = _install(block, cls, block_plan, first)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def _install(block: torch.nn.Module, cls: type, block_plan: Plan, first: Any = None) -> Any:
+    """Run `block_plan`'s compiled step as `block`'s forward. FSDP2's hooks stay on `block` (gather before,
+    reshard after, reduce-scatter after backward); the step runs on a twin of the block of its own class
+    sharing its parameter, buffer and submodule dicts, so it reads the parameters FSDP2 gathered. The
+    blocks share the `first` block's compiled steps (a step takes the parameters at each call): identical
+    blocks compile once."""
+    twin = cls.__new__(cls)
+    torch.nn.Module.__init__(twin)
+    for key, value in block.__dict__.items():
+        if key in ("_parameters", "_buffers", "_modules") or not key.startswith("_"):
+            twin.__dict__[key] = value
+    with quiet():
+        step = api.optimize(twin, plan=block_plan, model_loss=False)
+    if first is not None:
+        object.__setattr__(step, "_steps", first._steps)
+        object.__setattr__(step, "_backward_ran", first._backward_ran)
+    block.forward = lambda *args, **kwargs: _quiet_call(step, args, kwargs)
+    block.__dict__["fxmem_step"] = step  # what `forward` runs (its `.plan`); not a submodule: it shares the dicts
+    return first if first is not None else step
+
+
+def _quiet_call(step: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+    with quiet():
+        return step(*args, **kwargs)
+
+
+def block_inputs(model: torch.nn.Module, units: torch.nn.ModuleList, inputs: Sequence[Any],
+                 kwargs: dict | None) -> tuple[tuple, dict]:
+    """The first block's arguments in a forward of `model` on the example inputs, copied; the first (the
+    hidden state) requires grad, as a block's input does in training."""
+    seen: list = []
+    handle = units[0].register_forward_pre_hook(lambda _, a, k: seen.append((a, k)) or None, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(*inputs, **(kwargs or {}))
+    finally:
+        handle.remove()
+    args, kw = seen[0]
+
+    def prepare(x: Any) -> Any:
+        return x.detach().clone() if isinstance(x, torch.Tensor) else x
+    args, kw = torch.utils._pytree.tree_map(prepare, (tuple(args), dict(kw)))
+    if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+        args[0].requires_grad_(True)  # the hidden state: the block's gradient flows back through it
+    return args, kw
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """A block's output is the next block's input, not a loss: fxmem's warning that the loss is outside the
+    plan does not apply (the rank's simulated step counts the whole step)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*returns no scalar loss.*")
+        yield
+
+
+@contextlib.contextmanager
+def fake_group(world_size: int) -> Iterator[Any]:
+    """One rank of `world_size` under torch's fake process group (no processes), and its 1-D CPU mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    if dist.is_initialized():
+        raise FxmemError("plan_fsdp simulates a rank under a fake process group and a process group is already "
+                         "initialized here; plan before init_process_group (or offline) and load the plan on every rank")
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        yield init_device_mesh("cpu", (world_size,))
+    finally:
+        dist.destroy_process_group()
+
+
+def rank_peak(model: torch.nn.Module, inputs: Sequence[Any], kwargs: dict | None, plan: FsdpPlan,
+              optimizer: Any = None) -> tuple[int, RankParts]:
+    """One rank's step peak (MemTracker, fake process group, a copy of `model`), optimizer state included."""
+    with fake_group(plan.world_size) as mesh:
+        sharded = shard(copy.deepcopy(model), mesh, plan)
+        step = measure_peak_bytes(sharded, inputs, kwargs) + keyword_input_bytes(inputs, kwargs)
+        parts = rank_parts(sharded_bytes(sharded), unit_bytes(sharded, plan.blocks), plan.world_size,
+                           bytes_per_param_byte(optimizer), plan.reshard_after_forward, step,
+                           counter_bytes(optimizer, sharded))
+    return step + parts.optimizer_shards, parts
+
+
+def keyword_input_bytes(inputs: Sequence[Any], kwargs: dict | None) -> int:
+    """Tensors given by keyword (`input_ids=`, `labels=`): resident through the step like positional inputs,
+    which the meter counts; counted once each."""
+    seen = {id(x) for x in inputs}
+    tensors = {id(x): x for x in torch.utils._pytree.tree_leaves(kwargs or {})
+               if isinstance(x, torch.Tensor) and id(x) not in seen}
+    return sum(t.untyped_storage().nbytes() for t in tensors.values())
+
+
+def counter_bytes(optimizer: Any, model: torch.nn.Module) -> int:
+    """torch.optim's step counters: a float32 scalar per trainable parameter (SGD and L-BFGS keep none)."""
+    if optimizer is None or not bytes_per_param_byte(optimizer):
+        return 0
+    kind = optimizer.lower() if isinstance(optimizer, str) else type(optimizer).__name__.lower()
+    return 0 if kind.startswith("sgd") or isinstance(optimizer, (int, float)) else \
+        4 * sum(p.requires_grad for p in model.parameters())
+
+
+def full_checkpoint_peak(model: torch.nn.Module, inputs: Sequence[Any] = (), *, world_size: int,
+                         kwargs: dict | None = None, optimizer: Any = None, blocks: str | None = None,
+                         reshard_after_forward: bool = True) -> int:
+    """The baseline: one rank's simulated peak with every block checkpointed by torch (torchtitan's full
+    activation checkpointing: torch's checkpoint on each block, then `fully_shard`), optimizer state
+    included."""
+    plan = FsdpPlan(world_size, block_list(model, blocks)[0], reshard_after_forward, None, 0, checkpoint_blocks=True)
+    return rank_peak(model, inputs, kwargs, plan, optimizer)[0]
+
+
+def sharded_bytes(model: torch.nn.Module) -> int:
+    return sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+
+
+def unit_bytes(model: torch.nn.Module, blocks: str) -> tuple[int, list[int]]:
+    """Unsharded parameter bytes of the root unit and of each block unit."""
+    units = model.get_submodule(blocks)
+    full = [sum(p.numel() * p.element_size() for p in block.parameters()) for block in units]
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return total - sum(full), full
+
+
+def plan_fsdp(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: float | None = None, *,
+              world_size: int, example_kwargs: dict | None = None, optimizer: Any = None, blocks: str | None = None,
+              reshard_after_forward: bool = True, time_limit_s: float = 10.0, rounds: int = MAX_ROUNDS) -> FsdpPlan:
+    """Plan one rank of an FSDP2 job of `world_size` ranks under `budget_gb` per rank. The blocks run
+    eagerly where that fits; otherwise every block runs one fxmem block plan, planned under the block
+    budget that makes the rank's simulated peak fit (at most `rounds` block budgets, each one block plan
+    and one simulated step).
+    `model` is unsharded, on the CPU; call before any process group exists (or offline) and give the plan
+    to every rank (`FsdpPlan.save` / `load`), so every rank runs the same one."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    budget = to_bytes(budget_gb)
+    path, units = block_list(model, blocks)
+    plan = FsdpPlan(world_size, path, reshard_after_forward, budget, 0)
+    eager, parts = rank_peak(model, example_inputs, example_kwargs, plan, optimizer)
+    plan = _with(plan, eager, parts, None, eager)
+    if budget is None or eager <= budget:
+        return plan
+    args, kw = block_inputs(model, units, example_inputs, example_kwargs)
+    block = units[0]
+    with quiet():
+        keep = api.plan(block, args, example_kwargs=kw, model_loss=False)
+    points = [(keep.predicted_peak_bytes, eager)]  # (block peak, rank peak); keep-all ~ eager blocks
+    tried: dict[tuple, FsdpPlan] = {}  # block plan -> the rank it gives (another budget may give the same plan)
+    target, best, best_at, over_at, least, last = keep.predicted_peak_bytes - (eager - budget), None, 0, \
+        keep.predicted_peak_bytes, 0, None
+    for _ in range(rounds):
+        target = int(max(target, least, 1))  # below the least, the block planner names the least
+        try:
+            with quiet():
+                block_plan = api.plan(block, args, target / 2**30, example_kwargs=kw, model_loss=False,
+                                      time_limit_s=time_limit_s)
+        except InfeasibleBudgetError as exc:
+            least = target = exc.min_budget_bytes
+            continue
+        at = block_plan.predicted_peak_bytes  # a plan is placed by its block peak
+        key = (at, block_plan.extra_flops_pct)  # the same decision, met again at another block budget
+        if key in tried or best is not None and at <= best_at:
+            break  # a decision met before, or one below the best that fits: the search has settled
+        if key not in tried:
+            trial = FsdpPlan(world_size, path, reshard_after_forward, budget, 0, block_plan=block_plan.to_dict())
+            tried[key] = _with(trial, *rank_peak(model, example_inputs, example_kwargs, trial, optimizer),
+                               block_plan.to_dict(), eager)
+        last = tried[key]
+        peak = last.predicted_peak_bytes
+        points.append((at, peak))
+        if peak <= budget and (best is None or at > best_at):
+            best, best_at = last, at
+        elif peak > budget:
+            over_at = min(over_at, at)
+        if peak > budget and target <= least or 0 <= budget - peak <= CLOSE * budget:
+            break
+        target = _next_target(points, budget, best_at if best is not None else least, over_at)
+        if target is None:
+            break
+    if best is None:  # no fxmem block plan fits: torch's checkpoint on every block may
+        full = FsdpPlan(world_size, path, reshard_after_forward, budget, 0, checkpoint_blocks=True)
+        full = replace(_with(full, *rank_peak(model, example_inputs, example_kwargs, full, optimizer), None, eager),
+                       checkpoint_blocks=True)
+        if full.predicted_peak_bytes <= budget:
+            return full
+        lowest = min([full] + ([last] if last else []), key=lambda p: p.predicted_peak_bytes)
+        raise InfeasibleBudgetError(budget, lowest.predicted_peak_bytes, lowest.parts, proven=False)
+    return best
+
+
+def _next_target(points: list[tuple[int, int]], budget: int, low: int, high: int) -> int | None:
+    """The block budget whose rank peak meets `budget` on the line through the last two trials (the rank
+    holds several blocks' activations, so it moves faster than the block's budget), kept strictly inside
+    (`low`, `high`): the best block budget that fits and the least that did not."""
+    (b1, r1), (b2, r2) = points[-2:]
+    slope = (r1 - r2) / (b1 - b2) if b1 != b2 and r1 != r2 else 1.0
+    guess = b2 + (budget - r2) / max(slope, 1e-3)
+    if not low < guess < high:
+        guess = (low + high) / 2
+    return int(guess) if high - low > CLOSE * budget else None
+
+
+def _with(plan: FsdpPlan, peak: int, parts: RankParts, block_plan: dict | None, eager: int = 0) -> FsdpPlan:
+    return FsdpPlan(plan.world_size, plan.blocks, plan.reshard_after_forward, plan.budget_bytes, peak,
+                    parts.as_dict(), block_plan, eager)

@@ -31,7 +31,7 @@ from fxmem.capture import capture, data_dependent_error, describe_input, flat_gr
 from fxmem.eager_step import EagerStep, eager_peak_within, eager_plan
 from fxmem.error_boundary import public
 from fxmem.errors import TraceError
-from fxmem.loss_boundary import step_module
+from fxmem.loss_boundary import Step, planned_step
 from fxmem.loss_chunks import plan_with_loss_chunks
 from fxmem.meta_device import planned_on
 from fxmem.passes.chunked_loss import loss_sites
@@ -228,14 +228,15 @@ class OptimizedModule(ModelWrapper):
     def _plan(self, model: torch.nn.Module, args: tuple, kwargs: dict, grads: GradientState) -> tuple[Any, Any]:
         """A new step for this input signature and the gradients resident at its start, and the output of its
         first call (which traces and plans)."""
-        module, loss = step_module(model, args, kwargs, *self._loss_options) if self._loss_options \
-            else (model, "")
+        stepped = planned_step(model, args, kwargs, *self._loss_options) if self._loss_options \
+            else Step(model, "", args, kwargs)
+        module, loss = stepped.module, stepped.loss
         request = dataclasses.replace(self._make_request(module, args, kwargs), loss=loss,
                                       resident_gradient_bytes=grads.bytes, resident_gradients=grads.description)
         _warn_unplanned_gradients(request, grads)
         log.info("fxmem: planning %s %s", request.model, request.signature)
         with planning(f"planning {request.model} {short_signature(request.signature)}", request.time_limit_s):
-            step = _eager_or_planned(module, args, kwargs, request)
+            step = _eager_or_planned(module, args, kwargs, request, stepped.eager_peak)
             if isinstance(step, EagerStep):
                 return step, step(args, kwargs)
             try:
@@ -300,8 +301,8 @@ class JointFingerprint:
         return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs)
 
 
-def _eager_or_planned(module: torch.nn.Module, args: tuple, kwargs: dict, request: PlanRequest
-                      ) -> EagerStep | CompiledStep | None:
+def _eager_or_planned(module: torch.nn.Module, args: tuple, kwargs: dict, request: PlanRequest,
+                      eager_peak: Callable[[], int | None] | None = None) -> EagerStep | CompiledStep | None:
     """PyTorch's eager step where the budget covers its peak and fxmem's keep-all step would hold more
     (`fxmem.eager_step`); the step planned and compiled on fake tensors to compare, where it was;
     otherwise None (the first real call plans)."""
@@ -310,7 +311,8 @@ def _eager_or_planned(module: torch.nn.Module, args: tuple, kwargs: dict, reques
     if request.policy is not None and request.policy.name != "speed":  # the policy decides, whatever eager's peak
         return None
     budget = request.budget_bytes if request.policy is None else ANY_BUDGET  # "speed": eager's where it holds less
-    eager = eager_peak_within(module, args, kwargs, budget, request.resident_bytes + request.resident_gradient_bytes)
+    eager = eager_peak_within(module, args, kwargs, budget, request.resident_bytes + request.resident_gradient_bytes,
+                              eager_peak)
     if eager is None:
         return None
     try:

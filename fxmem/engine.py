@@ -175,8 +175,8 @@ class OptimizedModule(ModelWrapper):
     It shares `_parameters`, `_buffers` and `_modules` with the model, so `state_dict` keys are
     unchanged and an optimizer over either module's parameters trains both. `make_request(module, args,
     kwargs)` says what to plan for an input signature seen for the first time; `module` is the model, or
-    the model with its own `loss` output as the step's loss (`fxmem.loss_boundary.step_module`, whose
-    `model_loss` and `keep_outputs` are `loss_options`; None: the model's outputs as they are).
+    the model with its own `loss` output as the step's loss (`fxmem.loss_boundary.planned_step`, whose
+    `model_loss`, `keep_outputs` and `measure` are `loss_options`; None: the model's outputs as they are).
     A step is planned per input signature and per gradients resident at its start (accumulating
     micro-batches), except with a `fixed_plan` (pipeline stages and device regions, whose plans count the
     microbatches' gradients already): one compiled step runs whatever gradients exist."""

@@ -20,7 +20,7 @@ import sys
 import time
 
 _LOG = os.environ.get("SUITE_TIMES", "suite_times.tsv")
-_started: dict[str, float] = {}
+_started: dict[str, float] = {}  # CPU and wall seconds at the test's start; "on": this process logs
 _solves = {"n": 0, "all": 0.0, "limit": 0.0}
 _DONE = ("OPTIMAL", "INFEASIBLE", "MODEL_INVALID")
 
@@ -31,6 +31,8 @@ def _cpu() -> float:
 
 
 def pytest_configure(config) -> None:
+    # under xdist the controller sees every test's start and finish too: only the workers log
+    _started["on"] = hasattr(config, "workerinput") or not config.getoption("numprocesses", None)
     from ortools.sat.python import cp_model
 
     solve = cp_model.CpSolver.solve
@@ -54,6 +56,8 @@ def pytest_runtest_logstart(nodeid, location) -> None:
 
 
 def pytest_runtest_logfinish(nodeid, location) -> None:
+    if not _started.get("on", True):
+        return
     cpu, wall = _cpu() - _started["cpu"], time.perf_counter() - _started["wall"]
     with open(_LOG, "a") as f:
         f.write(f"{nodeid}\t{cpu:.2f}\t{wall:.2f}\t{_solves['n']}\t{_solves['all']:.2f}\t{_solves['limit']:.2f}\n")

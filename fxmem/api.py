@@ -17,11 +17,10 @@ from fxmem.budget import budget_bytes, per_device_budgets
 from fxmem.call_check import check_model, check_solver
 from fxmem.capture import example_args
 from fxmem.cost import DeviceSpec, preset_for
-from fxmem.eager_meter import eager_peak_bytes
 from fxmem.eager_step import eager_peak_within, eager_plan
 from fxmem.engine import ANY_BUDGET, OptimizedModule, plan_step, signature_of
 from fxmem.error_boundary import public
-from fxmem.loss_boundary import step_module
+from fxmem.loss_boundary import planned_step
 from fxmem.meta_device import planned_on, refuse_meta_model
 from fxmem.optimizer_state import model_state_bytes
 from fxmem.pipeline import PipelineRequest, plan_pipeline
@@ -144,9 +143,11 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
     elif example_target is not None:
         raise ValueError("example_target= goes with loss_fn=")
     spec = device_spec(target or device, offload, model)
-    if num_stages is None:
+    if num_stages is None:  # eager's peak is measured with the outputs' reading where a budget or the table needs it
         with planned_on(model, spec):  # a meta model's outputs are read on the device it is planned for
-            model, loss = step_module(model, args, kwargs, model_loss, keep_outputs is not False)
+            stepped = planned_step(model, args, kwargs, model_loss, keep_outputs is not False, measure=(
+                budget_gb is not None or eager_meter or (policy is not None and policy.name == "speed")))
+        model, loss = stepped.module, stepped.loss
     else:
         loss = ""
     budget = budget_bytes(budget_gb)
@@ -172,10 +173,10 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
                                  PipelineRequest(num_stages, schedule, n_microbatches, optimizer))
         made = plan_step(model, args, kwargs, request)
         eager = eager_peak_within(model, args, kwargs, budget if policy is None else
-                                  ANY_BUDGET if policy.name == "speed" else None, resident)
+                                  ANY_BUDGET if policy.name == "speed" else None, resident, stepped.eager_peak)
         made = (eager_plan(made, eager) if eager is not None else None) or made
         if eager_meter and not made.runs_eagerly:
-            measured = eager_peak_bytes(model, args, kwargs)
+            measured = stepped.eager_peak()
             made = replace(made, eager_peak_bytes=None if measured is None else measured + resident)
         return made
 
@@ -234,4 +235,5 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
                             time_limit_s=time_limit_s, offload=offload, pool=pool, plan=plan, calibrate=calibrate,
                             optimizer=optimizer, policy=policy)
 
-    return OptimizedModule(model, request_for, (model_loss, keep_outputs is not False))
+    measure = plan is None and (policy is None or policy.name == "speed")  # eager's peak is compared with the budget
+    return OptimizedModule(model, request_for, (model_loss, keep_outputs is not False, measure))

@@ -5,12 +5,13 @@ Reads the model and example inputs; runs the model's own forward with fake stand
 parameters, buffers and inputs (`torch.func.functional_call`), so nothing real is computed or
 allocated and the model is left untouched; returns the peak bytes MemTracker saw, or None where the
 model cannot run on fakes. Independent of fxmem's own cost model: it is what eager PyTorch would hold, for the plan table to
-set beside fxmem's no-recompute step.
+set beside fxmem's no-recompute step. A caller that also needs the model's outputs (`fxmem.loss_boundary`: where the
+loss is) reads them in the same fake step (`read=`), so the model runs on fakes once per input signature.
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -23,9 +24,12 @@ from fxmem.measure import loss_of
 log = logging.getLogger("fxmem")
 
 
-def eager_peak_bytes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> int | None:
+def eager_peak_bytes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
+                     read: Callable[[Any], Any] | None = None) -> int | None:
     """Peak bytes of one eager training step (forward, `fxmem.measure.loss_of`, backward, the outputs
-    held until backward ends) of `model` on `args`/`kwargs`, as MemTracker sees it on fake tensors."""
+    held until backward ends) of `model` on `args`/`kwargs`, as MemTracker sees it on fake tensors.
+    `read(outputs)`, called on the model's fake outputs before backward, returns the outputs the step
+    holds instead (a wrapper's forward that detaches some)."""
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             fake = lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x  # noqa: E731
@@ -37,11 +41,14 @@ def eager_peak_bytes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[s
                                                        if isinstance(x, torch.Tensor)])
             # module hooks step aside (as for compiled modules), so a meter the caller runs around this
             # call keeps its module hierarchy; the peak per device needs none
-            with tracker, _set_in_optimized_module():
+            with tracker, torch.enable_grad(), _set_in_optimized_module():
                 out = torch.func.functional_call(model, state, fargs, fkwargs)
+                if read is not None:
+                    out = read(out)
                 loss_of(out).backward()  # the outputs held until backward ends, as fxmem counts them
                 del out
             return max(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
     except Exception as exc:  # a meter that cannot run says so and leaves the row out
         log.info("fxmem: PyTorch eager's peak could not be measured on fake tensors: %s", exc)
         return None
+

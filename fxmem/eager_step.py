@@ -8,7 +8,7 @@ tensors); writes nothing.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -18,12 +18,13 @@ from fxmem.plan import Plan
 
 
 def eager_peak_within(module: torch.nn.Module, args: tuple, kwargs: dict, budget: int | None,
-                      resident: int = 0) -> int | None:
+                      resident: int = 0, measured: Callable[[], int | None] | None = None) -> int | None:
     """PyTorch eager's peak for the step (with `resident` bytes, the optimizer's state) when `budget`
-    covers it; None without a budget, above it, or where the meter cannot run."""
+    covers it; None without a budget, above it, or where the meter cannot run. `measured`: the step's
+    peak as measured already (`fxmem.loss_boundary.Step.eager_peak`), instead of measuring it here."""
     if budget is None:
         return None
-    peak = eager_peak_bytes(module, args, kwargs)
+    peak = measured() if measured is not None else eager_peak_bytes(module, args, kwargs)
     if peak is None or peak + resident > budget:
         return None
     return peak + resident

@@ -32,7 +32,7 @@ from fxmem.capture import capture, data_dependent_error, describe_input, flat_gr
 from fxmem.eager_step import EagerStep, eager_peak_within, eager_plan
 from fxmem.error_boundary import public
 from fxmem.errors import TraceError
-from fxmem.loss_boundary import step_module
+from fxmem.loss_boundary import Step, planned_step
 from fxmem.meta_device import planned_on
 from fxmem.passes.dropout_backward import eager_dropout_backward
 from fxmem.plan import Plan, graph_fingerprint
@@ -174,8 +174,8 @@ class OptimizedModule(ModelWrapper):
     It shares `_parameters`, `_buffers` and `_modules` with the model, so `state_dict` keys are
     unchanged and an optimizer over either module's parameters trains both. `make_request(module, args,
     kwargs)` says what to plan for an input signature seen for the first time; `module` is the model, or
-    the model with its own `loss` output as the step's loss (`fxmem.loss_boundary.step_module`, whose
-    `model_loss` and `keep_outputs` are `loss_options`; None: the model's outputs as they are).
+    the model with its own `loss` output as the step's loss (`fxmem.loss_boundary.planned_step`, whose
+    `model_loss`, `keep_outputs` and `measure` are `loss_options`; None: the model's outputs as they are).
     A step is planned per input signature and per gradients resident at its start (accumulating
     micro-batches), except with a `fixed_plan` (pipeline stages and device regions, whose plans count the
     microbatches' gradients already): one compiled step runs whatever gradients exist."""
@@ -227,14 +227,15 @@ class OptimizedModule(ModelWrapper):
     def _plan(self, model: torch.nn.Module, args: tuple, kwargs: dict, grads: GradientState) -> tuple[Any, Any]:
         """A new step for this input signature and the gradients resident at its start, and the output of its
         first call (which traces and plans)."""
-        module, loss = step_module(model, args, kwargs, *self._loss_options) if self._loss_options \
-            else (model, "")
+        stepped = planned_step(model, args, kwargs, *self._loss_options) if self._loss_options \
+            else Step(model, "", args, kwargs)
+        module, loss = stepped.module, stepped.loss
         request = dataclasses.replace(self._make_request(module, args, kwargs), loss=loss,
                                       resident_gradient_bytes=grads.bytes, resident_gradients=grads.description)
         _warn_unplanned_gradients(request, grads)
         log.info("fxmem: planning %s %s", request.model, request.signature)
         with planning(f"planning {request.model} {short_signature(request.signature)}", request.time_limit_s):
-            step = _eager_or_planned(module, args, kwargs, request)
+            step = _eager_or_planned(module, args, kwargs, request, stepped.eager_peak)
             if isinstance(step, EagerStep):
                 return step, step(args, kwargs)
             try:
@@ -298,8 +299,8 @@ class JointFingerprint:
         return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs)
 
 
-def _eager_or_planned(module: torch.nn.Module, args: tuple, kwargs: dict, request: PlanRequest
-                      ) -> EagerStep | CompiledStep | None:
+def _eager_or_planned(module: torch.nn.Module, args: tuple, kwargs: dict, request: PlanRequest,
+                      eager_peak: Callable[[], int | None] | None = None) -> EagerStep | CompiledStep | None:
     """PyTorch's eager step where the budget covers its peak and fxmem's keep-all step would hold more
     (`fxmem.eager_step`); the step planned and compiled on fake tensors to compare, where it was;
     otherwise None (the first real call plans)."""
@@ -308,7 +309,8 @@ def _eager_or_planned(module: torch.nn.Module, args: tuple, kwargs: dict, reques
     if request.policy is not None and request.policy.name != "speed":  # the policy decides, whatever eager's peak
         return None
     budget = request.budget_bytes if request.policy is None else ANY_BUDGET  # "speed": eager's where it holds less
-    eager = eager_peak_within(module, args, kwargs, budget, request.resident_bytes + request.resident_gradient_bytes)
+    eager = eager_peak_within(module, args, kwargs, budget, request.resident_bytes + request.resident_gradient_bytes,
+                              eager_peak)
     if eager is None:
         return None
     try:

@@ -139,10 +139,12 @@ def _policies(model: torch.nn.Module, args: tuple, kwargs: dict, optimizer: Any,
     """Each named policy's plan (and the budget's) for the step as `fxmem.plan` makes it."""
     from fxmem.api import check_time_limit, device_spec, make_request
     from fxmem.budget import budget_bytes
-    from fxmem.loss_boundary import step_module
+    from fxmem.loss_boundary import planned_step
     from fxmem.policy_table import compare_policies
 
-    step, loss = step_module(model, args, kwargs, True, True)
-    request = make_request(step, args, kwargs, budget=budget_bytes(budget_gb), device=device_spec(None, model=model),
-                           solver="auto", time_limit_s=check_time_limit(time_limit_s), optimizer=optimizer)
-    return compare_policies(step, args, kwargs, dataclasses.replace(request, loss=loss))
+    step = planned_step(model, args, kwargs, True, True)
+    request = make_request(step.module, args, kwargs, budget=budget_bytes(budget_gb),
+                           device=device_spec(None, model=model), solver="auto",
+                           time_limit_s=check_time_limit(time_limit_s), optimizer=optimizer)
+    return compare_policies(step.module, args, kwargs, dataclasses.replace(request, loss=step.loss),
+                            eager_peak=step.eager_peak)

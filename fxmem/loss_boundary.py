@@ -1,7 +1,9 @@
 """Where the training step's loss is, for a model planned without `loss_fn`.
 
 Reads the model's outputs from one forward on fake tensors (nothing real is computed; the model's
-buffers are untouched). A model that returns its scalar loss is planned as it is; one whose output has
+buffers are untouched); with `measure`, from PyTorch eager's whole step on fakes, whose peak
+(`fxmem.eager_meter`) the planner compares with its budget: the model runs on fakes once, not twice.
+A model that returns its scalar loss is planned as it is; one whose output has
 a differentiable scalar `loss` field (transformers' `labels=`, a dict, a dataclass) is planned as
 `OwnLossStep`, which returns the same output with every other field detached, so backward starts at the
 loss and the logits get no zero gradient. Any other model leaves its loss outside the plan: one
@@ -20,6 +22,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fxmem.call_check import check_call, outputs_on_fakes
+from fxmem.eager_meter import eager_peak_bytes
 from fxmem.errors import fmt_bytes
 from fxmem.wrapper import ModelWrapper
 
@@ -129,25 +132,53 @@ class OwnLossStep(ModelWrapper):
         return getattr(self.fxmem_model, "display_name", type(self.fxmem_model).__qualname__)
 
 
+class Step:
+    """The module to plan for a call (`module`), the plan table's "loss" row (`loss`) and PyTorch eager's
+    peak for that module's step (`eager_peak()`: measured with the outputs' reading, else when first asked)."""
+
+    _UNMEASURED = object()
+
+    def __init__(self, module: torch.nn.Module, loss: str, args: tuple, kwargs: dict,
+                 eager_peak: Any = _UNMEASURED):
+        self.module, self.loss, self._args, self._kwargs, self._peak = module, loss, args, kwargs, eager_peak
+
+    def eager_peak(self) -> int | None:
+        """`fxmem.eager_meter.eager_peak_bytes` of the step (None where it cannot run on fakes), measured once."""
+        if self._peak is Step._UNMEASURED:
+            self._peak = eager_peak_bytes(self.module, self._args, self._kwargs)
+        return self._peak
+
+
 def step_module(model: torch.nn.Module, args: tuple, kwargs: dict, model_loss: bool = True,
                 keep_outputs: bool = True) -> tuple[torch.nn.Module, str]:
-    """The module to plan for a call `model(*args, **kwargs)` (refused in one line where the inputs do not
-    fit: `fxmem.call_check`) and the plan table's "loss" row. With
+    """`planned_step`'s module and "loss" row, the outputs read from a forward on fakes alone."""
+    step = planned_step(model, args, kwargs, model_loss, keep_outputs, measure=False)
+    return step.module, step.loss
+
+
+def planned_step(model: torch.nn.Module, args: tuple, kwargs: dict, model_loss: bool = True,
+                 keep_outputs: bool = True, measure: bool = True) -> Step:
+    """The step to plan for a call `model(*args, **kwargs)` (refused in one line where the inputs do not
+    fit: `fxmem.call_check`): the module, the plan table's "loss" row and eager's peak. With
     `model_loss` a `loss` field becomes the step's loss (logged once), the other outputs returned
-    detached with `keep_outputs`; outputs with gradients and no scalar loss warn once per model."""
+    detached with `keep_outputs`; outputs with gradients and no scalar loss warn once per model.
+    With `measure` the outputs are read in PyTorch eager's step on fakes, which measures its peak too."""
     check_call(model, args, kwargs)
     if getattr(model, "fxmem_loss_fn", None) is not None:
-        return model, LOSS_FN
-    boundary = find_boundary(model, args, kwargs)
+        return Step(model, LOSS_FN, args, kwargs)
+    if measure:
+        boundary, peak = _read_in_eager_step(model, args, kwargs, model_loss, keep_outputs)
+    else:
+        boundary, peak = find_boundary(model, args, kwargs), Step._UNMEASURED
     if boundary.kind == "field" and model_loss:
         log.info("fxmem: planning %s with its `loss` output as the step's loss; its other outputs are "
                  "returned detached (model_loss=False to backpropagate through them)", type(model).__qualname__)
-        return OwnLossStep(model, keep_outputs), boundary.text(keep_outputs)
+        return Step(OwnLossStep(model, keep_outputs), boundary.text(keep_outputs), args, kwargs, peak)
     if not keep_outputs and boundary.kind != "unknown":
         raise ValueError("keep_outputs=False goes with loss_fn= or a model whose output has a scalar `loss` "
                          "(model_loss=True)")
     if boundary.kind == "field":
-        return model, "the model's outputs, every one with a gradient (model_loss=False)"
+        return Step(model, "the model's outputs, every one with a gradient (model_loss=False)", args, kwargs, peak)
     if boundary.kind == "outside" and model not in _warned:
         _warned.add(model)
         warnings.warn(
@@ -155,4 +186,21 @@ def step_module(model: torch.nn.Module, args: tuple, kwargs: dict, model_loss: b
             f"{fmt_bytes(boundary.outside_bytes)} of outputs with gradients leave the step after forward, and what "
             "the loss makes of them (and their gradients) is not in the budget. Pass loss_fn=(outputs, target) -> "
             "loss and call the module with target= to plan the loss too.", UserWarning, stacklevel=4)
-    return model, boundary.text()
+    return Step(model, boundary.text(), args, kwargs, peak)
+
+
+def _read_in_eager_step(model: torch.nn.Module, args: tuple, kwargs: dict, model_loss: bool,
+                        keep_outputs: bool) -> tuple[Boundary, int | None]:
+    """The model's outputs classified, and the peak of the step it is planned as (its outputs as
+    `OwnLossStep` returns them, for a `loss` field), from one eager step on fakes."""
+    seen = []
+
+    def read(out: Any) -> Any:
+        seen.append(classify(out))
+        return detached_except_loss(out, keep_outputs) if seen[0].kind == "field" and model_loss else out
+
+    peak = eager_peak_bytes(model, args, kwargs, read)
+    if not seen:  # the planner will say what fails; here only the loss's place is unknown
+        log.info("fxmem: the model's outputs could not be read on fake tensors")
+        return Boundary("unknown"), None
+    return seen[0], peak

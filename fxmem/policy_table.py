@@ -9,14 +9,16 @@ policy=...)` makes, at the cost of one trace. Returns `PolicyRow`s and their tab
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from tabulate import tabulate
 from torch._functorch.partitioners import default_partition
 
 from fxmem.capture import capture
+from fxmem.eager_meter import eager_peak_bytes
 from fxmem.eager_step import eager_peak_within, eager_plan
 from fxmem.errors import InfeasibleBudgetError, fmt_bytes
 from fxmem.plan import Plan
@@ -70,9 +72,12 @@ def _short(message: str, limit: int = 70) -> str:
 
 
 def compare_policies(model: torch.nn.Module, args: tuple, kwargs: dict, request: PlanRequest,
-                     policies: Sequence[str] = POLICIES) -> tuple[PolicyRow, ...]:
+                     policies: Sequence[str] = POLICIES,
+                     eager_peak: Callable[[], int | None] | None = None) -> tuple[PolicyRow, ...]:
     """The plan of each policy (and of `request.budget_bytes`, when set) for one step of `model`
-    (already the step's module: `fxmem.loss_boundary.step_module`), from one trace on fake tensors."""
+    (already the step's module: `fxmem.loss_boundary.planned_step`), from one trace on fake tensors.
+    `eager_peak`: PyTorch eager's peak for the step (`fxmem.loss_boundary.Step.eager_peak`), measured
+    at most once here otherwise."""
     from fxmem.engine import ANY_BUDGET, CompiledStep, trace_on_fakes
 
     requests = [(name, dataclasses.replace(request, policy=parse_policy(name), budget_bytes=None))
@@ -83,12 +88,13 @@ def compare_policies(model: torch.nn.Module, args: tuple, kwargs: dict, request:
     gm = capture(model, args, kwargs)
     trace_on_fakes(CompiledStep(model, gm, planner), model, args, kwargs)
     rows = []
+    eager_peak = eager_peak or functools.cache(lambda: eager_peak_bytes(model, args, kwargs))
     for row in planner.rows:
         is_speed = row.plan is not None and row.name == "speed"
         is_budget = row.plan is not None and row.name.startswith("budget ")
         if is_speed or is_budget:  # as fxmem.plan does: PyTorch's own step where it holds less
             eager = eager_peak_within(model, args, kwargs, ANY_BUDGET if is_speed else request.budget_bytes,
-                                      request.resident_bytes)
+                                      request.resident_bytes, eager_peak)
             as_eager = eager_plan(row.plan, eager) if eager is not None else None
             row = dataclasses.replace(row, plan=as_eager or row.plan)
         rows.append(row)

@@ -22,8 +22,10 @@ def _setup(name):
 
 
 def _min_budget(model, inputs) -> int:
+    """The least budget found, a reference point for the budgets below (the least search runs the
+    solver to its time limit; the plans at those budgets get their own)."""
     with pytest.raises(fxmem.InfeasibleBudgetError) as info:
-        fxmem.plan(model, inputs, budget_gb=1e-6, time_limit_s=5)
+        fxmem.plan(model, inputs, budget_gb=1e-6, time_limit_s=2)
     return info.value.min_budget_bytes
 
 
@@ -128,7 +130,7 @@ def test_library_model_from_transformers():
 
 def _min_budget_kwargs(model, ids, kwargs) -> int:
     with pytest.raises(fxmem.InfeasibleBudgetError) as info:
-        fxmem.plan(model, (ids,), budget_gb=1e-6, example_kwargs=kwargs, time_limit_s=5)
+        fxmem.plan(model, (ids,), budget_gb=1e-6, example_kwargs=kwargs, time_limit_s=2)
     return info.value.min_budget_bytes
 
 

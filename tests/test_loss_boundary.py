@@ -12,7 +12,8 @@ import torch
 
 import fxmem
 from fxmem.errors import InfeasibleBudgetError
-from fxmem.loss_boundary import OUTSIDE, classify, find_boundary
+from fxmem.eager_meter import eager_peak_bytes
+from fxmem.loss_boundary import OUTSIDE, classify, find_boundary, planned_step
 from fxmem.measure import measure_peak_bytes
 from tests.conftest import GIB
 
@@ -129,3 +130,30 @@ def test_find_boundary_runs_nothing_real():
     assert find_boundary(model, (ids,), {"labels": ids}).kind == "field"
     assert find_boundary(model, (ids,), {}).kind == "outside"
     assert all(p.grad is None and torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+class _DictLoss(torch.nn.Module):
+    """A loss beside large logits, in a dict; counts its forward calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head, self.calls = torch.nn.Linear(32, 64), torch.nn.Linear(64, 512), 0
+
+    def forward(self, x, y):
+        self.calls += 1
+        logits = self.head(torch.relu(self.body(x)))
+        return {"loss": torch.nn.functional.cross_entropy(logits, y), "logits": logits}
+
+
+@pytest.mark.parametrize("keep_outputs", [True, False])
+def test_the_loss_and_eagers_peak_come_from_one_fake_step(keep_outputs):
+    torch.manual_seed(0)
+    model, x, y = _DictLoss(), torch.randn(64, 32), torch.randint(0, 512, (64,))
+    step = planned_step(model, (x,), {"y": y}, keep_outputs=keep_outputs)
+    assert step.eager_peak() is not None and model.calls == 1, "one forward on fakes gives both"
+    assert "detached" in step.loss if keep_outputs else "not returned" in step.loss
+    peak = step.eager_peak()
+    assert model.calls == 1 and all(p.grad is None for p in model.parameters())
+    assert peak == eager_peak_bytes(step.module, (x,), {"y": y}), "the peak of the step as planned"
+    real = measure_peak_bytes(copy.deepcopy(step.module), (x,), {"y": y}, warmup=False)
+    assert abs(peak - real) <= 0.01 * real, (peak, real)

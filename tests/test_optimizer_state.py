@@ -84,7 +84,7 @@ def test_optimizer_state_counts_in_the_step_budget():
     assert fxmem.plan(model, (x, y), optimizer="adamw").optimizer_state_bytes == state
     assert "optimizer state" in with_state.table()
     budget = alone.predicted_peak_bytes  # fits the step alone, not with the state: recompute makes room
-    optimized = fxmem.optimize(copy.deepcopy(model), budget_gb=budget / 2**30, optimizer="adamw")
+    optimized = fxmem.optimize(copy.deepcopy(model), budget_gb=budget / 2**30, optimizer="adamw", time_limit_s=2)
     opt = torch.optim.AdamW(optimized.parameters())
     training_step(optimized, (x, y))
     opt.step()  # the state now exists, as in training

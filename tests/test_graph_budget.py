@@ -87,16 +87,6 @@ def test_graph_break_step_refused_names_a_least_the_next_call_meets():
     assert "graphs together" in str(error) and "not proven" in str(error)
 
 
-def test_wav2vec2_ctc_refused_names_a_least_the_next_call_meets():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    model = transformers.Wav2Vec2ForCTC(transformers.Wav2Vec2Config(
-        vocab_size=32, layerdrop=0.0, mask_time_prob=0.0, conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3),
-        num_feat_extract_layers=2, num_hidden_layers=1, num_attention_heads=4, hidden_size=64, intermediate_size=128))
-    model.train()
-    _refused_then_met(model, (torch.randn(2, 1600),), {"labels": torch.randint(1, 32, (2, 20))}, 0.3)
-
-
 def test_wav2vec2_ctc_with_time_masking_refused_names_a_least_the_next_call_meets():
     """SpecAugment's time masks (transformers' default mask_time_prob) are drawn from NumPy's generator
     between Dynamo's graphs: the same masks as eager's, and every step's masks within the least named."""

@@ -58,8 +58,8 @@ class FsdpPlan:
         block = self.block()
         rows.append(("block step", "torch checkpoint on every block" if self.checkpoint_blocks else "eager"
                      if block is None else f"fxmem plan, {block.extra_flops_pct:.1f}% extra FLOPs in each block"))
-        width = max(len(k) for k, _ in rows)
-        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+        from tabulate import tabulate
+        return tabulate(rows, tablefmt="plain")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

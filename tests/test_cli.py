@@ -14,7 +14,6 @@ import pytest
 
 import fxmem
 from fxmem import models
-from fxmem import cli as cli_module
 from fxmem.cli import main
 from fxmem.errors import fmt_bytes, gb_at_least
 from tests.conftest import assert_trains_like
@@ -101,7 +100,8 @@ def test_help_and_list_models_load_no_torch(argv):
 def test_too_long_sequence_is_refused_with_the_memory_it_needs():
     """gpt-tiny at 100000 tokens holds a 100000 x 100000 causal mask per layer: counted on the meta device
     and refused before it is built (the machine is told it has 1 GiB left, whatever it has)."""
-    code = ("import sys, fxmem.cli as cli\ncli.available_memory_bytes = lambda: 2**30\n"
+    code = ("import sys, fxmem.cli as cli, fxmem.cli_models as cli_models\n"
+            "cli_models.available_memory_bytes = lambda: 2**30\n"
             "sys.exit(cli.main(['gpt-tiny', '--seq-len', '100000', '--budget-gb', '1']))\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr
@@ -113,7 +113,8 @@ def test_too_long_sequence_is_refused_with_the_memory_it_needs():
 
 
 def test_available_memory_is_read():
-    available = cli_module.available_memory_bytes()
+    from fxmem.cli_models import available_memory_bytes
+    available = available_memory_bytes()
     assert available is None or 0 < available < 2**50
 
 

@@ -22,12 +22,13 @@ from typing import Any, Callable
 
 import torch.fx
 
-from fxmem.errors import InfeasibleBudgetError, PlanMismatchError, fmt_bytes
+from fxmem.errors import InfeasibleBudgetError, PlanMismatchError
 from fxmem.loss_chunks import (
     MIN_GAIN,
     PlanGraph,
     chunked_plan,
     copy_graph,
+    fewest_fitting,
     plan_with_loss_chunks,
 )
 from fxmem.passes.chunked_attention import (
@@ -133,14 +134,7 @@ def _fewest_chunks_that_fit(chunked: Callable[..., tuple[Any, Any]], most: int,
     except InfeasibleBudgetError as exc:
         raise _with_chunks(exc, most) if exc.min_budget_bytes < refusal.min_budget_bytes else refusal from None
     loss = best[0].loss_chunks
-    low, high = 0, most.bit_length() - 1  # exponents: 2**low does not fit, 2**high does
-    while high - low > 1:
-        middle = (low + high) // 2
-        try:
-            best, high = chunked(2 ** middle, loss), middle
-        except InfeasibleBudgetError as exc:
-            log.info("fxmem: attention in %d chunks: least budget %s", 2 ** middle, fmt_bytes(exc.min_budget_bytes))
-            low = middle
+    best = fewest_fitting(lambda chunks: chunked(chunks, loss), most, best, "attention in %d chunks")
     log.info("fxmem: attention is computed in %d chunks of queries", best[0].attention_chunks)
     return best
 

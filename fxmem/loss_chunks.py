@@ -123,15 +123,24 @@ def _fewest_chunks_that_fit(chunked: Callable[[int], tuple[Any, Any]], most: int
         best = chunked(most)
     except InfeasibleBudgetError as exc:
         raise _with_chunks(exc, most) if exc.min_budget_bytes < refusal.min_budget_bytes else refusal from None
+    best = fewest_fitting(chunked, most, best, "loss in %d chunks")
+    log.info("fxmem: the loss is computed in %d chunks of tokens", best[0].loss_chunks)
+    return best
+
+
+def fewest_fitting(chunked: Callable[[int], tuple[Any, Any]], most: int, best: tuple[Any, Any],
+                   what: str) -> tuple[Any, Any]:
+    """The plan of the fewest chunks among the powers of two below `most` that `chunked` plans without
+    raising InfeasibleBudgetError, bisected; `best` (planned at `most`) where none does. `what` % chunks
+    names a refused count in the log."""
     low, high = 0, most.bit_length() - 1  # exponents: 2**low does not fit, 2**high does
     while high - low > 1:
         middle = (low + high) // 2
         try:
             best, high = chunked(2 ** middle), middle
         except InfeasibleBudgetError as exc:
-            log.info("fxmem: loss in %d chunks: least budget %s", 2 ** middle, fmt_bytes(exc.min_budget_bytes))
+            log.info("fxmem: %s: least budget %s", what % 2 ** middle, fmt_bytes(exc.min_budget_bytes))
             low = middle
-    log.info("fxmem: the loss is computed in %d chunks of tokens", best[0].loss_chunks)
     return best
 
 

@@ -30,6 +30,7 @@ from fxmem.loss_chunks import (
     copy_graph,
     fewest_fitting,
     plan_with_loss_chunks,
+    power_of_two_chunks,
 )
 from fxmem.passes.chunked_attention import (
     AttentionSite,
@@ -57,12 +58,8 @@ def rewrites_planned(gm: torch.fx.GraphModule, request: Any) -> bool:
 def most_chunks(sites: list[AttentionSite]) -> int:
     """The most chunks worth making: a power of two at which one chunk's scores are no larger than the keys
     they are made from (at most `MAX_CHUNKS`, at least one query row per chunk)."""
-    k = 2
-    while k < MAX_CHUNKS and any(site.queries > k * site.head_dim for site in sites):
-        k *= 2
-    while k > 2 and k > min(site.queries for site in sites):
-        k //= 2
-    return k
+    return power_of_two_chunks(lambda k: any(site.queries > k * site.head_dim for site in sites),
+                               min(site.queries for site in sites), MAX_CHUNKS)
 
 
 def attention_plan(plan: Any, sites: list[AttentionSite], chunks: int, device: Any) -> Any:

@@ -50,10 +50,17 @@ def copy_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 def most_chunks(sites: list[LossSite]) -> int:
     """The most chunks worth making: a power of two at which one chunk's fp32 logits are no larger than
     the hidden states they are made from (at most `MAX_CHUNKS`, at least one token per chunk)."""
+    return power_of_two_chunks(lambda k: any(site.vocab > k * site.hidden_size for site in sites),
+                               min(site.tokens for site in sites), MAX_CHUNKS)
+
+
+def power_of_two_chunks(too_large: Callable[[int], bool], rows: int, most: int) -> int:
+    """The least power of two k (at least 2, at most `most`) for which `too_large(k)` is false, then
+    halved until every chunk keeps at least one of `rows` rows."""
     k = 2
-    while k < MAX_CHUNKS and any(site.vocab > k * site.hidden_size for site in sites):
+    while k < most and too_large(k):
         k *= 2
-    while k > 2 and k > min(site.tokens for site in sites):
+    while k > 2 and k > rows:
         k //= 2
     return k
 

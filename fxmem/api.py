@@ -20,6 +20,7 @@ from fxmem.cost import DeviceSpec, preset_for
 from fxmem.eager_step import eager_peak_within, eager_plan
 from fxmem.engine import ANY_BUDGET, OptimizedModule, plan_step, signature_of
 from fxmem.error_boundary import public
+from fxmem.inductor_step import check_inner, replays_random
 from fxmem.loss_boundary import planned_step
 from fxmem.meta_device import planned_on, refuse_meta_model
 from fxmem.optimizer_state import model_state_bytes
@@ -84,7 +85,7 @@ def model_device(model: torch.nn.Module | None) -> torch.device:
 def make_request(model: torch.nn.Module, args: tuple, kwargs: dict, *, budget: int | None, device: DeviceSpec,
                  solver: str, time_limit_s: float, offload: bool = False, pool: bool | str = False,
                  plan: Plan | None = None, calibrate: bool | None = None, optimizer: Any = None,
-                 policy: Policy | None = None) -> PlanRequest:
+                 policy: Policy | None = None, inner: str = "aot_eager") -> PlanRequest:
     """What to plan for one input signature of `model` (budget in bytes, None: keep everything).
     `calibrate` None: time the kernels when the model is on a GPU (the device it will train on)."""
     if calibrate is None:
@@ -95,7 +96,8 @@ def make_request(model: torch.nn.Module, args: tuple, kwargs: dict, *, budget: i
                        solver=solver, time_limit_s=time_limit_s, model=name,
                        signature=signature_of(model, args, kwargs), offload=bool(offload), pool=pool,
                        calibrate=bool(calibrate), resident_bytes=model_state_bytes(optimizer, model), chunk_loss=True,
-                       policy=policy)
+                       policy=policy, inner=inner, replay_random=replays_random(inner),
+                       replay_ops="torch" if inner == "inductor" else "functions")
 
 
 @public
@@ -188,7 +190,8 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
              devices: Sequence[str] | None = None, pool: bool | str = False,
              calibrate: bool | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
              keep_outputs: bool | None = None, optimizer: Any = None, model_loss: bool = True,
-             policy: str | None = None, every_n: int | None = None) -> OptimizedModule | PlacedModule:
+             policy: str | None = None, every_n: int | None = None, inner: str = "aot_eager"
+             ) -> OptimizedModule | PlacedModule:
     """A module that trains like `model` with its step planned under `budget_gb` (planned lazily at the
     first call, from the real inputs; re-planned per input signature), or running a given `plan`.
     `offload=True` lets the planner copy saved values to host memory (see `plan`); `devices` places
@@ -202,8 +205,14 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
     `model(...).loss.backward()` does, planned from its loss, other outputs returned detached
     (`keep_outputs=False`: the loss alone); `model_loss=False` keeps a gradient on every output (see `plan`). The optimized module's `.plan` is
     the plan of the input signature it saw last, `.plans` all of them. `policy`, `every_n`: a named policy
-    instead of (or checked against) `budget_gb`, see `plan`."""
+    instead of (or checked against) `budget_gb`, see `plan`. `inner="inductor"`: Inductor compiles the planned
+    step (fused kernels; fxmem's planner decides what backward keeps and recomputes: `fxmem.inductor_step`);
+    "aot_eager", the default, runs it with eager kernels and trains bit for bit as eager does."""
     check_model(model)
+    check_inner(inner)
+    if inner == "inductor" and (pool or offload or devices is not None):
+        raise ValueError("inner='inductor' runs one planned step on one device, without offload or pool; "
+                         "drop pool=, offload= and devices=, or use inner='aot_eager'")
     check_pool(pool)
     check_solver(solver)
     policy = check_policy(parse_policy(policy, every_n), offload=offload, devices=devices, plan=plan)
@@ -233,7 +242,7 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
     def request_for(module: torch.nn.Module, args: tuple, kwargs: dict) -> PlanRequest:
         return make_request(module, args, kwargs, budget=budget, device=spec, solver=solver,
                             time_limit_s=time_limit_s, offload=offload, pool=pool, plan=plan, calibrate=calibrate,
-                            optimizer=optimizer, policy=policy)
+                            optimizer=optimizer, policy=policy, inner=inner)
 
     measure = plan is None and (policy is None or policy.name == "speed")  # eager's peak is compared with the budget
     return OptimizedModule(model, request_for, (model_loss, keep_outputs is not False, measure))

@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
 import threading
 import warnings
 from typing import Any, Callable, Sequence
@@ -34,6 +33,7 @@ from fxmem.cost import DeviceSpec, preset_for
 from fxmem.error_boundary import for_dynamo
 from fxmem.errors import GIB, InfeasibleBudgetError, TraceError
 from fxmem.graph_budget import saved_cap
+from fxmem.inductor_step import INNERS, compile_with_partitioner, has_cxx_compiler, replays_random
 from fxmem.ledger import GraphRecord, Ledger
 from fxmem.plan import Plan
 from fxmem.planner import Planner, PlanRequest
@@ -41,7 +41,6 @@ from fxmem.planner import Planner, PlanRequest
 log = logging.getLogger("fxmem")
 
 OPTIONS = ("budget_gb", "inner", "time_limit_s", "plan_out", "verbose", "device", "solver")
-INNERS = ("inductor", "aot_eager")
 
 
 CAP_TRIES, CAP_STEP_BYTES = 4, 4096  # plans at tightened budgets before a graph keeps its least plan
@@ -100,10 +99,6 @@ def _validate(options: dict | None) -> dict:
     if inner is not None and inner not in INNERS:
         raise ValueError(f"fxmem backend: inner must be one of {INNERS}, got {inner!r}")
     return options
-
-
-def has_cxx_compiler() -> bool:
-    return any(shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if c)
 
 
 def _frame_id() -> Any:
@@ -172,34 +167,6 @@ class _RecordingPlanner(Planner):
         return fw, bw
 
 
-class _InductorPartitioner:
-    """Wraps the planner as Inductor's `custom_partitioner_fn` (Inductor's joint-graph passes run first)."""
-
-    def __init__(self, planner: Planner):
-        self.planner = planner
-
-    def __call__(self, gm, joint_inputs, **kwargs):
-        kwargs.pop("compiler", None)
-        return self.planner(gm, joint_inputs, **kwargs)
-
-    def __deepcopy__(self, memo):
-        # Inductor deep-copies its config to write repro strings; the planner holds the step's graphs
-        # and plans (fake tensors under dynamic shapes), which neither need nor allow a copy.
-        return self
-
-    def uuid(self) -> Any:
-        return None  # never cache: the plan depends on the budget and on the other graphs
-
-
-def _make_custom_partitioner(planner: Planner):
-    from torch._inductor.custom_graph_pass import CustomPartitionerFn
-
-    class FxmemPartitioner(_InductorPartitioner, CustomPartitionerFn):
-        pass
-
-    return FxmemPartitioner(planner)
-
-
 @for_dynamo
 def fxmem_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None
                   ) -> Callable[..., Any]:
@@ -251,18 +218,6 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], optio
             warnings.warn(f"fxmem backend: Inductor unavailable ({exc}); running the planned graphs with "
                           "aot_eager instead (the budget still applies)", stacklevel=2)
     return _counted(_compile_aot_eager(gm, example_inputs, planner), record)
-
-
-def replays_random(inner: str) -> bool:
-    """Whether random ops may be recomputed with the numbers they drew (passes/rng.py): with eager
-    kernels, and with Inductor under `torch._inductor.config.fallback_random`, where random ops are
-    eager's own kernels on torch's generator. Inductor's own random numbers (the default) come from
-    its seeds and kernels, not torch's generator: random ops are kept (docs/compile-random.md)."""
-    if inner != "inductor":
-        return True
-    from torch._inductor import config as inductor_config
-
-    return bool(inductor_config.fallback_random)
 
 
 def _refuse_dynamic_shapes(example_inputs: Sequence[Any]) -> None:
@@ -331,12 +286,7 @@ def _compile_aot_eager(gm, example_inputs, planner: Planner):
 def _compile_inductor(gm, example_inputs, planner: Planner):
     """Inductor's own compile_fx pipeline (decompositions, joint-graph passes, compile_fx_inner for the
     forward and backward graphs) with fxmem's planner as its partitioner."""
-    from torch._inductor import config as inductor_config
-    from torch._inductor.compile_fx import compile_fx
-
-    with torch._functorch.config.patch(enable_autograd_cache=False), \
-            inductor_config.patch(custom_partitioner_fn=_make_custom_partitioner(planner), fx_graph_cache=False):
-        return compile_fx(gm, example_inputs)
+    return compile_with_partitioner(gm, example_inputs, planner)
 
 
 fxmem_backend.reset = reset  # type: ignore[attr-defined]  # called by torch._dynamo.reset()

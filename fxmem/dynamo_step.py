@@ -75,7 +75,7 @@ class DynamoStep:
         self.budget, self.gradients = request.budget_bytes, request.resident_gradients
         if self.resident and self.budget <= sum(self.resident.values()):
             raise InfeasibleBudgetError(self.budget, sum(self.resident.values()) + 1, self.resident)
-        self.options = {"budget_gb": (self.budget - sum(self.resident.values())) / GIB, "inner": "aot_eager",
+        self.options = {"budget_gb": (self.budget - sum(self.resident.values())) / GIB, "inner": request.inner,
                         "device": request.device,
                         "time_limit_s": request.time_limit_s, "solver": request.solver}
         self.reason, self.warned, self.model, self.name = reason, False, model, request.model

@@ -30,6 +30,7 @@ from fxmem.accumulation import GradientState, gradient_state
 from fxmem.attention_chunks import plan_with_rewrites, rewrites_planned
 from fxmem.capture import capture, data_dependent_error, describe_input, flat_graph_inputs, structure_outputs
 from fxmem.eager_step import EagerStep, eager_peak_within, eager_plan
+from fxmem.inductor_step import InductorRunner
 from fxmem.error_boundary import public
 from fxmem.errors import TraceError
 from fxmem.loss_boundary import Step, planned_step
@@ -63,7 +64,7 @@ class CompiledStep:
     """One captured graph compiled by AOTAutograd with fxmem's planner as partitioner."""
 
     def __init__(self, model: torch.nn.Module, gm: torch.fx.GraphModule, planner: Planner,
-                 compiler: Callable[..., Any] = boxed_nop):
+                 compiler: Callable[..., Any] = boxed_nop, inner: str = "aot_eager"):
         self.gm, self.planner = gm, planner
         self.runner = _GraphRunner(gm)
         own = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
@@ -78,9 +79,13 @@ class CompiledStep:
         self.forward_autocast: tuple = ()
         self.traced_backward: tuple = ()
         self.backward_agrees: dict[tuple, bool] = {}
-        self.compiled = aot_function(self._flat_forward, fw_compiler=compiler, bw_compiler=compiler,
-                                     partition_fn=planner,
-                                     num_params_buffers=len(self.state_names) + len(self.constants))
+        self.inner = inner
+        if inner == "inductor":
+            self.compiled = InductorRunner(self)
+        else:
+            self.compiled = aot_function(self._flat_forward, fw_compiler=compiler, bw_compiler=compiler,
+                                         partition_fn=planner,
+                                         num_params_buffers=len(self.state_names) + len(self.constants))
 
     def _flat_forward(self, state: dict[str, torch.Tensor], *flat_inputs: Any) -> list[torch.Tensor]:
         # Runs while AOTAutograd traces: module hooks see traced stand-ins for the parameters, so meters
@@ -141,7 +146,7 @@ def _planned(model: torch.nn.Module, gm: torch.fx.GraphModule, args: Sequence[An
              request: PlanRequest) -> tuple[Plan, "CompiledStep"]:
     """The plan for the captured graph `gm` and its step compiled on fake tensors."""
     planner = Planner(captured_as(request, gm))
-    step = CompiledStep(model, gm, planner)
+    step = CompiledStep(model, gm, planner, inner=request.inner)
     trace_on_fakes(step, model, args, kwargs)
     assert planner.plan is not None
     return planner.plan, step
@@ -246,7 +251,7 @@ class OptimizedModule(ModelWrapper):
                             step = plan_with_rewrites(gm, request, lambda graph, req: _planned(
                                 module, graph, args, kwargs, req))[1]
                     else:
-                        step = CompiledStep(module, gm, Planner(captured_as(request, gm)))
+                        step = CompiledStep(module, gm, Planner(captured_as(request, gm)), inner=request.inner)
                 return step, step(dict(model_state(module)), args, kwargs)  # the first call traces and plans
             except TraceError as exc:  # not one graph: Dynamo's graphs, under the same budget
                 from fxmem.dynamo_step import DynamoStep
@@ -282,7 +287,7 @@ def _same_joint(step: CompiledStep, model: torch.nn.Module, args: Sequence[Any],
     fingerprint = JointFingerprint()
     with torch.enable_grad(), bwa.autocast_as(step.forward_autocast), \
             torch._functorch.config.patch(backward_pass_autocast=bwa.config_for(backward, step.forward_autocast)):
-        trace_on_fakes(CompiledStep(model, step.gm, fingerprint), model, args, kwargs)
+        trace_on_fakes(CompiledStep(model, step.gm, fingerprint, inner=step.inner), model, args, kwargs)
     return fingerprint.fingerprint == plan.fingerprint
 
 
@@ -306,6 +311,8 @@ def _eager_or_planned(module: torch.nn.Module, args: tuple, kwargs: dict, reques
     otherwise None (the first real call plans)."""
     if request.plan is not None:
         return EagerStep(module, request.plan) if request.plan.runs_eagerly else None
+    if request.inner == "inductor":  # Inductor's step, fused, whatever eager's peak
+        return None
     if request.policy is not None and request.policy.name != "speed":  # the policy decides, whatever eager's peak
         return None
     budget = request.budget_bytes if request.policy is None else ANY_BUDGET  # "speed": eager's where it holds less

@@ -91,6 +91,7 @@ class PlanRequest:
     loss: str = ""  # where the step's loss is (fxmem.loss_boundary), for the plan's table
     replay_random: bool = True  # random ops may be recomputed with their generator state (passes/rng.py)
     replay_ops: str = "functions"  # replayed through passes/rng.py's functions, or torch's ops ("torch", Inductor)
+    inner: str = "aot_eager"  # the planned graphs run with eager kernels, or compiled by Inductor (fxmem.inductor_step)
     chunk_loss: bool = False  # the loss may be computed in chunks of tokens where the budget needs it (fxmem.loss_chunks)
     policy: Policy | None = None  # a named policy (fxmem.policies) decides instead of the budget
 

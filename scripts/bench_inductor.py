@@ -1,0 +1,122 @@
+#!/usr/bin/env python
+"""fxmem's plan compiled by Inductor, beside torch.compile's own memory budget (the knapsack), on this machine.
+
+For each model: eager, `torch.compile` (Inductor) with no budget and with `activation_memory_budget` at
+each --knapsack fraction, then fxmem at each knapsack's measured peak, with `inner="aot_eager"` (eager
+kernels) and `inner="inductor"` (where fxmem refuses a budget, at the least it names instead). Peaks are measured by MemTracker (`fxmem.measure`) and, as a cross-check
+that sees every CPU allocation Inductor's code makes, by the profiler's memory events (growth over the
+step's start); fxmem's predicted peak beside them. Step times are medians of --repeats steps timed
+round-robin over every configuration, so a change of load hits each alike.
+
+examples:
+  python scripts/bench_inductor.py --model gpt-tiny
+  python scripts/bench_inductor.py --model gpt2-hf --knapsack 0.5,0.2 --repeats 5
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import time
+
+import torch
+from tabulate import tabulate
+
+import fxmem
+from fxmem.measure import loss_of, measure_peak_bytes
+
+MiB = 2**20
+
+
+def build(name):
+    if name == "gpt2-hf":
+        import transformers as t
+        torch.manual_seed(0)
+        model = t.GPT2LMHeadModel(t.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=8000, n_positions=256,
+                                               use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+        ids = torch.randint(0, 8000, (4, 256))
+        return model, (), {"input_ids": ids, "labels": ids}
+    from fxmem import models
+    torch.manual_seed(0)
+    return models.from_name(name, dropout=0.0), models.example_inputs(name), {}
+
+
+def profiler_growth(module, args, kwargs):
+    """Peak bytes allocated above the step's start, from the profiler's CPU memory events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss_of(module(*args, **kwargs)).backward()
+    module.zero_grad(set_to_none=True)
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    now = peak = 0
+    for e in events:
+        now += e.nbytes()
+        peak = max(peak, now)
+    return peak
+
+
+def step_seconds(module, args, kwargs):
+    start = time.perf_counter()
+    loss_of(module(*args, **kwargs)).backward()
+    module.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="gpt-tiny", help="zoo preset, or gpt2-hf (transformers GPT-2 4x256, labels=)")
+    p.add_argument("--knapsack", default="0.5,0.2", help="torch.compile activation_memory_budget fractions")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--time-limit", type=float, default=5.0)
+    a = p.parse_args()
+    model, args, kwargs = build(a.model)
+    configs = {"eager": copy.deepcopy(model)}
+    torch._dynamo.reset()
+    configs["torch.compile"] = torch.compile(copy.deepcopy(model))
+    for fraction in [float(f) for f in a.knapsack.split(",")]:
+        with torch._functorch.config.patch(activation_memory_budget=fraction):
+            module = torch.compile(copy.deepcopy(model))
+            step_seconds(module, args, kwargs)  # compiles under the patched budget
+        configs[f"torch.compile budget {fraction}"] = module
+    for name, module in list(configs.items()):
+        step_seconds(module, args, kwargs)
+    peaks = {name: measure_peak_bytes(m, args, kwargs) for name, m in configs.items()}
+    predicted, refused = {}, {}
+    for name in [n for n in configs if n.startswith("torch.compile budget")]:
+        for inner in ("aot_eager", "inductor"):
+            label = f"fxmem {inner} at {name}'s peak"
+            module = fxmem.optimize(copy.deepcopy(model), budget_gb=peaks[name] / 2**30, inner=inner,
+                                    time_limit_s=a.time_limit)
+            try:
+                step_seconds(module, args, kwargs)
+            except fxmem.InfeasibleBudgetError as exc:  # planned instead at the least it names
+                refused[label] = exc.min_budget_bytes
+                label = f"fxmem {inner} at its least, {exc.min_budget_bytes / MiB:.2f} MiB"
+                if label in configs:
+                    continue
+                module = fxmem.optimize(copy.deepcopy(model), budget_gb=exc.min_budget_bytes / 2**30, inner=inner,
+                                        time_limit_s=a.time_limit)
+                step_seconds(module, args, kwargs)
+            configs[label], predicted[label] = module, module.plan.predicted_peak_bytes
+            peaks[label] = measure_peak_bytes(module, args, kwargs)
+    growth = {name: profiler_growth(m, args, kwargs) for name, m in configs.items()}
+    times = {name: [] for name in configs}
+    for _ in range(a.repeats):
+        for name, module in configs.items():
+            times[name].append(step_seconds(module, args, kwargs))
+    base = statistics.median(times["torch.compile"])
+    rows = [[name, f"{peaks[name] / MiB:.2f}", f"{growth[name] / MiB:.2f}",
+             f"{predicted[name] / MiB:.2f}" if name in predicted else "-",
+             f"{statistics.median(times[name]) * 1e3:.1f}", f"{statistics.median(times[name]) / base:.2f}"]
+            for name in configs]
+    rows += [[name, f"refused: least {least / MiB:.2f}", "-", "-", "-", "-"] for name, least in refused.items()]
+    print(tabulate(rows, headers=["", "measured peak MiB (MemTracker)", "growth MiB (profiler)", "predicted MiB",
+                                  "step ms (median)", "x torch.compile"]))
+    print(f"{a.model}; torch {torch.__version__}; load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()

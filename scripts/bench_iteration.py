@@ -6,7 +6,8 @@ as loss_fn) optimized at 60% of eager's first-micro-batch peak; one warm-up glob
 signature), then the first micro-batch (every .grad None) and an accumulating one, measured. Runs on any
 fxmem checkout (before this change, both micro-batches share the first one's plan).
 fit: `fxmem.fit_batch` on a global batch at three budgets; beside it every micro-batch size, measured
-(median time per sample over a few global batches, 4 micro-batches' worth of warm-up first).
+(median time per sample over --repeats global batches, every configuration timed round-robin after
+two warm-up global batches that plan it).
 
 examples:
   python scripts/bench_iteration.py accumulation
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import time
 
@@ -77,22 +79,28 @@ def build(name, batch):
     return models.from_name(name, dropout=0.0), models.example_inputs(name, batch), {}, None
 
 
-def seconds_per_sample(module, args, target, micro, steps, repeats=3):
-    times = []
-    for r in range(repeats + 1):
-        start = time.perf_counter()
-        for i in range(steps):
-            part = [a[i * micro:(i + 1) * micro] for a in args]
-            kw = {} if target is None else {"target": target[i * micro:(i + 1) * micro]}
-            out = module(*part, **kw)
-            out.div(steps).backward()
-        module.zero_grad(set_to_none=True)
-        if r:
-            times.append((time.perf_counter() - start) / (micro * steps))
-    return statistics.median(times)
+def global_batch_seconds(module, args, target, micro, steps):
+    """Seconds per sample of one global batch: `steps` micro-batches, each loss divided by `steps`."""
+    start = time.perf_counter()
+    for i in range(steps):
+        part = [a[i * micro:(i + 1) * micro] for a in args]
+        kw = {} if target is None else {"target": target[i * micro:(i + 1) * micro]}
+        module(*part, **kw).div(steps).backward()
+    module.zero_grad(set_to_none=True)
+    return (time.perf_counter() - start) / (micro * steps)
 
 
-def fit(name, global_batch, fractions, time_limit):
+def interleaved(runs, repeats):
+    """Median seconds per sample of each run in `runs` ({key: thunk}), timed round-robin (A, B, C, A, B,
+    C, ...) so a change of load on a shared machine hits every configuration alike."""
+    times = {key: [] for key in runs}
+    for _ in range(repeats):
+        for key, run in runs.items():
+            times[key].append(run())
+    return {key: statistics.median(t) for key, t in times.items()}
+
+
+def fit(name, global_batch, fractions, time_limit, repeats):
     model, args, extra, loss_fn = build(name, global_batch)
     target = extra.get("example_target")
     probe = fxmem.plan(model, args, None, loss_fn=loss_fn, **extra)
@@ -100,20 +108,28 @@ def fit(name, global_batch, fractions, time_limit):
     for fraction in fractions:
         budget_gb = fraction * probe.baseline_peak_bytes / 2**30
         chosen = fxmem.fit_batch(model, args, budget_gb, loss_fn=loss_fn, time_limit_s=time_limit, quiet=True, **extra)
-        measured = {}
+        runs, planned = {}, {}
         for c in chosen.candidates:
             if not c.fits:
                 continue
             module = fxmem.optimize(copy.deepcopy(model), budget_gb=budget_gb, loss_fn=loss_fn, time_limit_s=time_limit)
-            measured[c.micro_batch] = seconds_per_sample(module, args, target, c.micro_batch, c.steps)
+            for _ in range(2):  # plans the first and the accumulating micro-batch
+                global_batch_seconds(module, args, target, c.micro_batch, c.steps)
+            planned[c.micro_batch] = (module, len(module.plans))
+            runs[c.micro_batch] = (lambda m=module, c=c: global_batch_seconds(m, args, target, c.micro_batch, c.steps))
+        measured = interleaved(runs, repeats)
+        for size, (module, count) in planned.items():
+            assert len(module.plans) == count, f"micro-batch {size} planned again while timed"
         best = min(measured, key=measured.get)
         rows.append([name, f"{fraction:.2f} x keep-all ({budget_gb * 1024:.1f} MiB)",
                      f"{chosen.steps} x {chosen.micro_batch}", f"{measured[chosen.micro_batch] * 1e3:.3f}",
                      f"{global_batch // best} x {best}", f"{measured[best] * 1e3:.3f}",
-                     f"{100 * (measured[chosen.micro_batch] / measured[best] - 1):+.1f}%"])
+                     f"{100 * (measured[chosen.micro_batch] / measured[best] - 1):+.1f}%",
+                     " ".join(f"{m}:{t * 1e3:.2f}" for m, t in sorted(measured.items()))])
         print(chosen.table())
     print(tabulate(rows, headers=["model", "budget", "fit_batch chose", "ms/sample", "best measured", "ms/sample",
-                                  "chosen vs best"]))
+                                  "chosen vs best", "every micro-batch (ms/sample)"]))
+    print(f"load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 
 def main():
@@ -123,11 +139,12 @@ def main():
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--budgets", default="0.5,0.7,1.0", help="fractions of the keep-all step's peak at the global batch")
     p.add_argument("--time-limit", type=float, default=5.0)
+    p.add_argument("--repeats", type=int, default=7, help="global batches timed per configuration, round-robin")
     args = p.parse_args()
     if args.what == "accumulation":
         accumulation(args.time_limit)
     else:
-        fit(args.model, args.global_batch, [float(f) for f in args.budgets.split(",")], args.time_limit)
+        fit(args.model, args.global_batch, [float(f) for f in args.budgets.split(",")], args.time_limit, args.repeats)
 
 
 if __name__ == "__main__":

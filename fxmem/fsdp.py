@@ -307,13 +307,18 @@ def plan_fsdp(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget
         target = _next_target(points, budget, best_at if best is not None else least, over_at)
         if target is None:
             break
-    if best is None:  # no fxmem block plan fits: torch's checkpoint on every block may
+    if best is None:  # the block plan that saves least for backward, then torch's checkpoint on every block
+        with quiet():
+            whole = api.plan(block, args, example_kwargs=kw, model_loss=False, target=spec, policy="whole-step")
+        trial = FsdpPlan(world_size, path, reshard_after_forward, budget, 0, block_plan=whole.to_dict())
+        whole_rank = _with(trial, *simulate(trial), whole.to_dict(), eager)
         full = FsdpPlan(world_size, path, reshard_after_forward, budget, 0, checkpoint_blocks=True)
-        full = replace(_with(full, *simulate(full), None, eager),
-                       checkpoint_blocks=True)
-        if full.predicted_peak_bytes <= budget:
-            return full
-        lowest = min([full] + ([last] if last else []), key=lambda p: p.predicted_peak_bytes)
+        full = replace(_with(full, *simulate(full), None, eager), checkpoint_blocks=True)
+        tried_all = [whole_rank, full] + ([last] if last else [])
+        lowest = min(tried_all, key=lambda p: p.predicted_peak_bytes)
+        fitting = [p for p in tried_all[:2] if p.predicted_peak_bytes <= budget]
+        if fitting:  # fxmem's whole-step plan first: it recomputes just before each reader, torch's all at once
+            return fitting[0]
         raise InfeasibleBudgetError(budget, lowest.predicted_peak_bytes, lowest.parts, proven=False)
     return best
 

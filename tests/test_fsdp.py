@@ -61,6 +61,18 @@ def test_bad_world_size():
         plan_fsdp(model, args, 1.0, world_size=0)
 
 
+def test_fully_sharded_model_is_refused_naming_plan_fsdp():
+    import fxmem
+    from fxmem.fsdp import fake_group, shard
+    model, args, _ = gpt_case()
+    with fake_group(WORLD) as mesh:
+        sharded = shard(model, mesh)
+        for call in (lambda: fxmem.optimize(sharded, budget_gb=1.0), lambda: fxmem.plan(sharded, args, 1.0)):
+            with pytest.raises(ValueError, match=r"fully_shard-ed \(FSDP2\).*fxmem\.fsdp\.plan_fsdp") as err:
+                call()
+            assert "\n" not in str(err.value)
+
+
 def test_fake_rank_equals_real_rank():
     """The rank simulated on fake tensors (and for the model built on the meta device) holds what the same rank
     on real tensors holds, to the byte (MemTracker both): eager blocks, torch's checkpoint on every block, and

@@ -3,7 +3,8 @@
 Reads an unsharded model, its example inputs and a world size; writes nothing (an `FsdpPlan` is JSON that
 `save` writes where asked). `plan_fsdp` plans one block's step with fxmem and simulates one rank's whole
 step under torch's fake process group (one process, no communication: every collective returns
-buffers of the right size), metered by MemTracker; `shard` applies FSDP2 as torchtitan does (every block,
+buffers of the right size) on fake tensors (`fxmem.fsdp_fake`: no weights needed, a meta model works),
+metered by MemTracker; `shard` applies FSDP2 as torchtitan does (every block,
 then the root) with the block plan's compiled step installed in every block (`docs/fsdp.md`).
 """
 from __future__ import annotations

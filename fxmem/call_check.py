@@ -1,4 +1,5 @@
-"""Before a step is planned: do the inputs fit the model, and, with `loss_fn`, is the target where it goes?
+"""Before a step is planned: is the model a module fxmem plans (not FSDP2-sharded: `fxmem.fsdp` plans those
+ranks), do the inputs fit the model, and, with `loss_fn`, is the target where it goes?
 
 Reads the model's `forward` signature and, for a `loss_fn` step called without `target=`, runs the model
 and `loss_fn(outputs, None)` once on fake tensors (nothing real is computed; the model's buffers and
@@ -38,6 +39,20 @@ def check_model(model: Any) -> None:
     """fxmem plans the training step of a module: anything else is refused in one line."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    sharded = next((name or "the model" for name, m in model.named_modules() if _is_fsdp2(m)), None)
+    if sharded is not None:
+        raise ValueError(f"{sharded} is fully_shard-ed (FSDP2): fxmem plans an FSDP2 rank from the unsharded model; "
+                         "use fxmem.fsdp.plan_fsdp(model, inputs, budget_gb, world_size=N), then "
+                         "fxmem.fsdp.shard(model, mesh, plan) on every rank (docs/fsdp.md)")
+
+
+def _is_fsdp2(module: torch.nn.Module) -> bool:
+    """`torch.distributed.fsdp.fully_shard` has made `module` an FSDP2 unit."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed: nothing is sharded
+        return False
+    return isinstance(module, FSDPModule)
 
 
 def check_solver(solver: Any) -> str:

@@ -310,8 +310,13 @@ def data_dependent_error(exc: Exception, gm: torch.fx.GraphModule) -> TraceError
 
 
 def describe_input(x: Any) -> str:
-    """`float32[8,32]+grad` for a tensor, repr otherwise."""
+    """`float32[8,32]+grad` for a tensor, each element so in a tuple or list (a block's rotary
+    `position_embeddings`: the same signature for real and fake tensors), repr otherwise."""
     if isinstance(x, torch.Tensor):
         dtype = str(x.dtype).replace("torch.", "")
         return f"{dtype}[{','.join(map(str, x.shape))}]" + ("+grad" if x.requires_grad else "")
+    if isinstance(x, (tuple, list)) and any(isinstance(e, torch.Tensor) for e in x):
+        inner = ", ".join(map(describe_input, x))
+        return f"({inner},)" if isinstance(x, tuple) and len(x) == 1 else \
+            f"({inner})" if isinstance(x, tuple) else f"[{inner}]"
     return repr(x)

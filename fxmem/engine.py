@@ -225,8 +225,9 @@ class OptimizedModule(ModelWrapper):
             out = step(dict(model_state(model)), args, kwargs)
         else:
             return step(args, kwargs)
-        if isinstance(step, CompiledStep):
-            bwa.watch_backward(out, lambda state: self._saw_backward(key, step, state, args, kwargs))
+        if isinstance(step, CompiledStep):  # the inputs are let go at the first backward through the step, so
+            held = [args, kwargs]  # a block's input (FSDP2, fxmem.fsdp) is not kept until the loss is dropped
+            bwa.watch_backward(out, lambda state: self._saw_backward(key, step, state, held))
         return out
 
     def _plan(self, model: torch.nn.Module, args: tuple, kwargs: dict, grads: GradientState) -> tuple[Any, Any]:
@@ -263,17 +264,20 @@ class OptimizedModule(ModelWrapper):
                 step = DynamoStep(module, request, exc)
                 return step, step(args, kwargs)
 
-    def _saw_backward(self, key: tuple, step: CompiledStep, state: bwa.State, args: tuple, kwargs: dict) -> None:
+    def _saw_backward(self, key: tuple, step: CompiledStep, state: bwa.State, held: list) -> None:
         """Backward of `step` ran under `state`: if its graph is not eager's backward there, warn (once) and
-        plan again at the next call."""
+        plan again at the next call. `held`: [args, kwargs] of the call, emptied here (a second backward
+        through the same call, with retain_graph, is not checked again)."""
         self._backward_ran[key] = state
-        if state not in step.backward_agrees:
+        args, kwargs = held if held else (None, None)
+        held.clear()
+        if state not in step.backward_agrees and args is not None:
             step.backward_agrees[state] = _same_joint(step, self.fxmem_model, args, kwargs, state)
             if not step.backward_agrees[state]:
                 plan = step.planner.plan
                 warnings.warn(bwa.mismatch_warning(plan.model if plan else type(self.fxmem_model).__qualname__,
                                                    step.traced_backward, state, step.forward_autocast), stacklevel=2)
-        if step.backward_agrees[state]:
+        if step.backward_agrees.get(state):
             self._steps.setdefault((key, state), step)
 
 

@@ -3,7 +3,8 @@
 Reads an unsharded model, its example inputs and a world size; writes nothing (an `FsdpPlan` is JSON that
 `save` writes where asked). `plan_fsdp` plans one block's step with fxmem and simulates one rank's whole
 step under torch's fake process group (one process, no communication: every collective returns
-buffers of the right size), metered by MemTracker; `shard` applies FSDP2 as torchtitan does (every block,
+buffers of the right size) on fake tensors (`fxmem.fsdp_fake`: no weights needed, a meta model works),
+metered by MemTracker; `shard` applies FSDP2 as torchtitan does (every block,
 then the root) with the block plan's compiled step installed in every block (`docs/fsdp.md`).
 """
 from __future__ import annotations
@@ -22,8 +23,10 @@ import torch.distributed as dist
 from fxmem import api
 from fxmem.budget import budget_bytes as to_bytes
 from fxmem.errors import FxmemError, InfeasibleBudgetError, fmt_bytes
+from fxmem.fsdp_fake import fake_copy
 from fxmem.fsdp_memory import RankParts, rank_parts
 from fxmem.measure import measure_peak_bytes
+from fxmem.meta_device import is_meta_model
 from fxmem.optimizer_state import bytes_per_param_byte
 from fxmem.plan import Plan
 
@@ -135,21 +138,28 @@ def _quiet_call(step: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
         return step(*args, **kwargs)
 
 
-def block_inputs(model: torch.nn.Module, units: torch.nn.ModuleList, inputs: Sequence[Any],
-                 kwargs: dict | None) -> tuple[tuple, dict]:
+def block_inputs(model: torch.nn.Module, path: str, inputs: Sequence[Any], kwargs: dict | None,
+                 device: Any = None) -> tuple[tuple, dict]:
     """The first block's arguments in a forward of `model` on the example inputs, copied; the first (the
-    hidden state) requires grad, as a block's input does in training."""
+    hidden state) requires grad, as a block's input does in training. A meta model runs its forward on
+    fakes (`fxmem.fsdp_fake`, `device` as there) and its block's arguments are meta tensors."""
     seen: list = []
-    handle = units[0].register_forward_pre_hook(lambda _, a, k: seen.append((a, k)) or None, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            model(*inputs, **(kwargs or {}))
-    finally:
-        handle.remove()
+    meta = is_meta_model(model)
+    with fake_copy(model, inputs, kwargs, device) if meta else contextlib.nullcontext((model, inputs, kwargs)) \
+            as (run, run_inputs, run_kwargs):
+        first = run.get_submodule(path)[0]
+        handle = first.register_forward_pre_hook(lambda _, a, k: seen.append((a, k)) or None, with_kwargs=True)
+        try:
+            with torch.no_grad():
+                run(*run_inputs, **(run_kwargs or {}))
+        finally:
+            handle.remove()
     args, kw = seen[0]
 
     def prepare(x: Any) -> Any:
-        return x.detach().clone() if isinstance(x, torch.Tensor) else x
+        if not isinstance(x, torch.Tensor):
+            return x
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta") if meta else x.detach().clone()
     args, kw = torch.utils._pytree.tree_map(prepare, (tuple(args), dict(kw)))
     if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
         args[0].requires_grad_(True)  # the hidden state: the block's gradient flows back through it
@@ -181,10 +191,14 @@ def fake_group(world_size: int) -> Iterator[Any]:
 
 
 def rank_peak(model: torch.nn.Module, inputs: Sequence[Any], kwargs: dict | None, plan: FsdpPlan,
-              optimizer: Any = None) -> tuple[int, RankParts]:
-    """One rank's step peak (MemTracker, fake process group, a copy of `model`), optimizer state included."""
-    with fake_group(plan.world_size) as mesh:
-        sharded = shard(copy.deepcopy(model), mesh, plan)
+              optimizer: Any = None, *, fake: bool = True, device: Any = None) -> tuple[int, RankParts]:
+    """One rank's step peak (MemTracker, fake process group, a copy of `model`), optimizer state included.
+    With `fake` (the default) the copy, its inputs and the whole step are fake tensors (`fxmem.fsdp_fake`;
+    `device`: the `DeviceSpec` a meta model is planned for); otherwise a real copy runs one real step."""
+    with fake_group(plan.world_size) as mesh, (fake_copy(model, inputs, kwargs, device) if fake else
+                                               contextlib.nullcontext((copy.deepcopy(model), inputs, kwargs))) \
+            as (model, inputs, kwargs):
+        sharded = shard(model, mesh, plan)
         step = measure_peak_bytes(sharded, inputs, kwargs) + keyword_input_bytes(inputs, kwargs)
         parts = rank_parts(sharded_bytes(sharded), unit_bytes(sharded, plan.blocks), plan.world_size,
                            bytes_per_param_byte(optimizer), plan.reshard_after_forward, step,
@@ -212,12 +226,12 @@ def counter_bytes(optimizer: Any, model: torch.nn.Module) -> int:
 
 def full_checkpoint_peak(model: torch.nn.Module, inputs: Sequence[Any] = (), *, world_size: int,
                          kwargs: dict | None = None, optimizer: Any = None, blocks: str | None = None,
-                         reshard_after_forward: bool = True) -> int:
+                         reshard_after_forward: bool = True, target: Any = None) -> int:
     """The baseline: one rank's simulated peak with every block checkpointed by torch (torchtitan's full
     activation checkpointing: torch's checkpoint on each block, then `fully_shard`), optimizer state
-    included."""
+    included. `target`: as for `plan_fsdp`."""
     plan = FsdpPlan(world_size, block_list(model, blocks)[0], reshard_after_forward, None, 0, checkpoint_blocks=True)
-    return rank_peak(model, inputs, kwargs, plan, optimizer)[0]
+    return rank_peak(model, inputs, kwargs, plan, optimizer, device=api.device_spec(target, model=model))[0]
 
 
 def sharded_bytes(model: torch.nn.Module) -> int:
@@ -234,26 +248,33 @@ def unit_bytes(model: torch.nn.Module, blocks: str) -> tuple[int, list[int]]:
 
 def plan_fsdp(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: float | None = None, *,
               world_size: int, example_kwargs: dict | None = None, optimizer: Any = None, blocks: str | None = None,
-              reshard_after_forward: bool = True, time_limit_s: float = 10.0, rounds: int = MAX_ROUNDS) -> FsdpPlan:
+              reshard_after_forward: bool = True, time_limit_s: float = 10.0, rounds: int = MAX_ROUNDS,
+              target: Any = None) -> FsdpPlan:
     """Plan one rank of an FSDP2 job of `world_size` ranks under `budget_gb` per rank. The blocks run
     eagerly where that fits; otherwise every block runs one fxmem block plan, planned under the block
     budget that makes the rank's simulated peak fit (at most `rounds` block budgets, each one block plan
     and one simulated step).
-    `model` is unsharded, on the CPU; call before any process group exists (or offline) and give the plan
-    to every rank (`FsdpPlan.save` / `load`), so every rank runs the same one."""
+    `model` is unsharded, on the CPU or the meta device (built under `torch.device("meta")`: no weights; the
+    rank is simulated on fake tensors either way); `target`: the device (`DeviceSpec` or preset name) the
+    block plans are priced for, default the CPU. Call before any process group exists (or offline) and
+    give the plan to every rank (`FsdpPlan.save` / `load`), so every rank runs the same one."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     budget = to_bytes(budget_gb)
     path, units = block_list(model, blocks)
+    spec = api.device_spec(target, model=model)
+
+    def simulate(trial: FsdpPlan) -> tuple[int, RankParts]:
+        return rank_peak(model, example_inputs, example_kwargs, trial, optimizer, device=spec)
     plan = FsdpPlan(world_size, path, reshard_after_forward, budget, 0)
-    eager, parts = rank_peak(model, example_inputs, example_kwargs, plan, optimizer)
+    eager, parts = simulate(plan)
     plan = _with(plan, eager, parts, None, eager)
     if budget is None or eager <= budget:
         return plan
-    args, kw = block_inputs(model, units, example_inputs, example_kwargs)
+    args, kw = block_inputs(model, path, example_inputs, example_kwargs, spec)
     block = units[0]
     with quiet():
-        keep = api.plan(block, args, example_kwargs=kw, model_loss=False)
+        keep = api.plan(block, args, example_kwargs=kw, model_loss=False, target=spec)
     points = [(keep.predicted_peak_bytes, eager)]  # (block peak, rank peak); keep-all ~ eager blocks
     tried: dict[tuple, FsdpPlan] = {}  # block plan -> the rank it gives (another budget may give the same plan)
     target, best, best_at, over_at, least, last = keep.predicted_peak_bytes - (eager - budget), None, 0, \
@@ -263,7 +284,7 @@ def plan_fsdp(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget
         try:
             with quiet():
                 block_plan = api.plan(block, args, target / 2**30, example_kwargs=kw, model_loss=False,
-                                      time_limit_s=time_limit_s)
+                                      time_limit_s=time_limit_s, target=spec)
         except InfeasibleBudgetError as exc:
             least = target = exc.min_budget_bytes
             continue
@@ -273,7 +294,7 @@ def plan_fsdp(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget
             break  # a decision met before, or one below the best that fits: the search has settled
         if key not in tried:
             trial = FsdpPlan(world_size, path, reshard_after_forward, budget, 0, block_plan=block_plan.to_dict())
-            tried[key] = _with(trial, *rank_peak(model, example_inputs, example_kwargs, trial, optimizer),
+            tried[key] = _with(trial, *simulate(trial),
                                block_plan.to_dict(), eager)
         last = tried[key]
         peak = last.predicted_peak_bytes
@@ -287,13 +308,18 @@ def plan_fsdp(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget
         target = _next_target(points, budget, best_at if best is not None else least, over_at)
         if target is None:
             break
-    if best is None:  # no fxmem block plan fits: torch's checkpoint on every block may
+    if best is None:  # the block plan that saves least for backward, then torch's checkpoint on every block
+        with quiet():
+            whole = api.plan(block, args, example_kwargs=kw, model_loss=False, target=spec, policy="whole-step")
+        trial = FsdpPlan(world_size, path, reshard_after_forward, budget, 0, block_plan=whole.to_dict())
+        whole_rank = _with(trial, *simulate(trial), whole.to_dict(), eager)
         full = FsdpPlan(world_size, path, reshard_after_forward, budget, 0, checkpoint_blocks=True)
-        full = replace(_with(full, *rank_peak(model, example_inputs, example_kwargs, full, optimizer), None, eager),
-                       checkpoint_blocks=True)
-        if full.predicted_peak_bytes <= budget:
-            return full
-        lowest = min([full] + ([last] if last else []), key=lambda p: p.predicted_peak_bytes)
+        full = replace(_with(full, *simulate(full), None, eager), checkpoint_blocks=True)
+        tried_all = [whole_rank, full] + ([last] if last else [])
+        lowest = min(tried_all, key=lambda p: p.predicted_peak_bytes)
+        fitting = [p for p in tried_all[:2] if p.predicted_peak_bytes <= budget]
+        if fitting:  # fxmem's whole-step plan first: it recomputes just before each reader, torch's all at once
+            return fitting[0]
         raise InfeasibleBudgetError(budget, lowest.predicted_peak_bytes, lowest.parts, proven=False)
     return best
 

@@ -11,6 +11,9 @@ then simulates, prices and reports like any other (`fxmem.planner`). Writes noth
   its inputs and recomputes inside; the other blocks and everything outside the blocks keep all.
 - "sqrt": the L blocks in segments of round(sqrt(L)), each segment checkpointed as one call (Chen et
   al.'s sqrt(L) checkpoints, `torch.utils.checkpoint.checkpoint_sequential`).
+- "whole-step": the whole step as one checkpointed call (`checkpoint(model, x)`): the inputs kept,
+  everything else recomputed. For a step that runs many times with its saved values held (one block
+  of an FSDP2 rank, `fxmem.fsdp`): it saves the least for backward.
 
 Blocks are the items of the model's layer lists: a module path `<list>.<k>` where the list has two or
 more items (`transformer.h.3`, `model.layers.3`, `blocks.3`), the outermost such item of each path.
@@ -49,11 +52,12 @@ class Policy:
     @property
     def checkpoints(self) -> bool:
         """The policy recomputes inside blocks (the others keep all, or search the least)."""
-        return self.every_n > 0 or self.name == "sqrt"
+        return self.every_n > 0 or self.name in ("sqrt", "whole-step")
 
 
 def valid_names() -> str:
-    return "speed, memory, every-layer, every-N-layers (every-2-layers, ...; or every-n-layers with every_n=N), sqrt"
+    return ("speed, memory, every-layer, every-N-layers (every-2-layers, ...; or every-n-layers with every_n=N), sqrt, "
+            "whole-step")
 
 
 def parse_policy(policy: str | Policy | None, every_n: int | None = None) -> Policy | None:
@@ -71,7 +75,7 @@ def parse_policy(policy: str | Policy | None, every_n: int | None = None) -> Pol
     if not isinstance(policy, str):
         raise PolicyError(f"policy must be a name ({valid_names()}), got {type(policy).__name__}")
     name = policy.strip().lower().replace("_", "-")
-    if name in ("speed", "memory", "sqrt"):
+    if name in ("speed", "memory", "sqrt", "whole-step"):
         return Policy(name)
     if name == "every-layer":
         return every_layers(1)
@@ -115,7 +119,7 @@ def _block_of(parts: list[str], items: dict[tuple[str, ...], set[str]]) -> str |
 def block_of(path: str, blocks: tuple[str, ...]) -> str | None:
     """The block a module path lies in (None: outside every block)."""
     for block in blocks:
-        if path == block or path.startswith(block + "."):
+        if block == "" or path == block or path.startswith(block + "."):  # "": the whole step
             return block
     return None
 
@@ -134,6 +138,8 @@ def describe(policy: Policy, blocks: tuple[str, ...]) -> str:
         return "speed: keep everything, recompute nothing"
     if policy.name == "memory":
         return "memory: the least budget found, and its plan"
+    if policy.name == "whole-step":
+        return "whole-step: the step as one checkpointed call; inputs kept, everything else recomputed"
     units = units_of(policy, blocks)
     calls: dict[int, list[str]] = {}
     for block, unit in units.items():
@@ -152,11 +158,11 @@ def policy_recompute(policy: Policy, problem: MemoryProblem, nodes: Sequence[tor
     """The recompute set of a checkpointing policy on the problem's candidates (`nodes`, their joint-graph
     nodes; `forward`: every forward node of the joint graph), and the plan's description of it."""
     module_of = {n.name: module_path(n) for n in forward}
-    blocks = find_blocks(module_of.values())
+    blocks = ("",) if policy.name == "whole-step" else find_blocks(module_of.values())
     if not blocks:
         raise PolicyError(f"policy {policy.name!r} checkpoints blocks, and {model} has none (no ModuleList or "
                           "Sequential of two or more modules runs in its step); use policy='memory' or budget_gb=")
-    units = units_of(policy, blocks)
+    units = {"": 0} if policy.name == "whole-step" else units_of(policy, blocks)
 
     def unit(node: torch.fx.Node) -> int | None:
         if node.op != "call_function" or node.name not in module_of:

@@ -158,3 +158,16 @@ def test_data_dependent_shape_names_user_line_in_a_folder_named_fxmem(tmp_path):
     with pytest.raises(TraceError) as info:
         fxmem.plan(user_code.Masked(), (torch.randn(4, 8),), budget_gb=1.0)
     assert "user_code.py:11 (return h[h > 0].sum())" in str(info.value)
+
+
+def test_a_tuple_of_tensors_is_described_by_shapes_for_real_and_fake_tensors():
+    """A block's rotary `position_embeddings` (a tuple of tensors): one signature whatever their values, and the
+    same on fake tensors (an FSDP2 rank simulated on fakes, fxmem.fsdp) as on real ones."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fxmem.capture import describe_input
+    pair = (torch.randn(1, 4, 2), torch.zeros(1, 4, 2))
+    with FakeTensorMode() as mode:
+        fake = tuple(mode.from_tensor(t) for t in pair)
+    assert describe_input(pair) == describe_input(fake) == "(float32[1,4,2], float32[1,4,2])"
+    assert describe_input([pair[0]]) == "[float32[1,4,2]]" and describe_input((1, "a")) == "(1, 'a')"

@@ -16,9 +16,12 @@ def test_world_size_table_and_plan(tmp_path, capsys):
         assert row in text
     plan = FsdpPlan.load(out)
     assert plan.world_size == 2 and plan.block_plan is None and plan.predicted_peak_bytes <= plan.budget_bytes
+    meta = tmp_path / "meta.json"  # built on the meta device: the rank simulated on fakes is the same
+    assert main(["gpt-tiny", "--world-size", "2", "--budget-gb", "1", "--quiet", "--meta", "--out", str(meta)]) == 0
+    assert FsdpPlan.load(meta) == plan
 
 
-@pytest.mark.parametrize("flag", [["--meta"], ["--stages", "2"]])
+@pytest.mark.parametrize("flag", [["--policy", "speed"], ["--stages", "2"]])
 def test_world_size_refuses(flag, capsys):
     assert main(["gpt-tiny", "--world-size", "2", "--budget-gb", "1", "--quiet", *flag]) == 2
     assert "--world-size does not combine with" in capsys.readouterr().err

@@ -48,3 +48,24 @@ def test_first_call_inside_memtracker_plans_and_is_metered():
     plan = optimized.plans[0]
     assert plan.recompute and first <= plan.budget_bytes
     assert abs(first - measure_peak_bytes(optimized, inputs, warmup=False)) <= 0.02 * first
+
+
+def test_inputs_are_let_go_at_backward_as_eager_does():
+    """A step's input made by an op before it (a block's input under FSDP2, fxmem.fsdp) is freed once backward
+    has passed through the step, while the loss (and with it the autograd graph) is still referenced: as eager."""
+    import weakref
+
+    torch.manual_seed(0)
+    first, block = nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    x = torch.randn(4, 8)
+    freed = []
+    for step in (block, fxmem.optimize(copy.deepcopy(block), budget_gb=1.0)):
+        for _ in range(2):  # the first call plans
+            h = first(x)
+            alive = weakref.ref(h)
+            loss = step(h).square().sum()
+            del h
+            loss.backward()
+        freed.append(alive() is None)
+        del loss
+    assert freed == [True, True]

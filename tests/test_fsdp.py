@@ -61,6 +61,39 @@ def test_bad_world_size():
         plan_fsdp(model, args, 1.0, world_size=0)
 
 
+def test_fully_sharded_model_is_refused_naming_plan_fsdp():
+    import fxmem
+    from fxmem.fsdp import fake_group, shard
+    model, args, _ = gpt_case()
+    with fake_group(WORLD) as mesh:
+        sharded = shard(model, mesh)
+        for call in (lambda: fxmem.optimize(sharded, budget_gb=1.0), lambda: fxmem.plan(sharded, args, 1.0)):
+            with pytest.raises(ValueError, match=r"fully_shard-ed \(FSDP2\).*fxmem\.fsdp\.plan_fsdp") as err:
+                call()
+            assert "\n" not in str(err.value)
+
+
+def test_fake_rank_equals_real_rank():
+    """The rank simulated on fake tensors (and for the model built on the meta device) holds what the same rank
+    on real tensors holds, to the byte (MemTracker both): eager blocks, torch's checkpoint on every block, and
+    fxmem's block plan in every block."""
+    from fxmem import api
+    from fxmem.fsdp import block_inputs, block_list, quiet, rank_peak
+    model, args, kwargs = gpt_case()
+    with torch.device("meta"):
+        meta = gpt_case()[0]
+    path, units = block_list(model)
+    block_args, block_kwargs = block_inputs(model, path, args, kwargs)
+    with quiet():
+        block_plan = api.plan(units[0], block_args, example_kwargs=block_kwargs, model_loss=False, policy="whole-step")
+    for plan in (FsdpPlan(WORLD, path, True, None, 0), FsdpPlan(WORLD, path, True, None, 0, checkpoint_blocks=True),
+                 FsdpPlan(WORLD, path, True, None, 0, block_plan=block_plan.to_dict())):
+        real = rank_peak(model, args, kwargs, plan, "adamw", fake=False)
+        assert rank_peak(model, args, kwargs, plan, "adamw") == real
+        if plan.block_plan is None:
+            assert rank_peak(meta, args, kwargs, plan, "adamw") == real
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -112,7 +145,7 @@ def _rank(rank: int, port: int, plans: dict, out_dir: str) -> None:
 def planned():
     """Per case, two per-rank budgets: FSDP2's own peak (the blocks run eagerly) and that less 15% of what
     it holds beside parameter shards and gathered units (every block runs an fxmem plan); and the Llama at
-    the peak of torch's checkpointing on every block."""
+    the peak of torch's checkpointing on every block (where fxmem's whole-step block plan fits)."""
     plans = {}
     for name, make in CASES.items():
         model, args, kwargs = make()
@@ -135,6 +168,7 @@ def test_ranks_within_budget_and_equal_eager(planned, tmp_path):
     import torch.multiprocessing as mp
     assert planned["gpt:fits"].block_plan is None and planned["gpt:recompute"].block_plan is not None
     assert planned["llama:recompute"].block_plan is not None
+    assert planned["llama:full"].block_plan is not None  # fxmem's blocks at torch's full checkpointing's peak
     mp.spawn(_rank, args=(_free_port(), {k: p.to_json() for k, p in planned.items()}, str(tmp_path)), nprocs=WORLD)
     for rank in range(WORLD):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())

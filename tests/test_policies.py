@@ -51,8 +51,8 @@ def test_names_and_their_forms():
     assert parse_policy("every-layer") == Policy("every-layer", 1) == parse_policy("every-1-layers")
     assert parse_policy("every-2-layers") == Policy("every-2-layers", 2) == parse_policy("every-n-layers", every_n=2)
     assert parse_policy(None, every_n=3) == Policy("every-3-layers", 3)
-    assert [parse_policy(n).name for n in ("speed", "memory", "sqrt", "Every_Layer")] == \
-        ["speed", "memory", "sqrt", "every-layer"]
+    assert [parse_policy(n).name for n in ("speed", "memory", "sqrt", "Every_Layer", "whole_step")] == \
+        ["speed", "memory", "sqrt", "every-layer", "whole-step"]
 
 
 @pytest.mark.parametrize("bad", ["fast", "every-0-layers", "every-n-layers", 3])
@@ -103,6 +103,23 @@ def test_zoo_gpt_policy_matches_hand_written_checkpointing(gpt, name):
     else:
         assert plan.recompute and plan.predicted_peak_bytes < plan.baseline_peak_bytes
     assert_trains_like(copy.deepcopy(model), optimized, (x, y))  # same loss, gradients and buffers as eager
+
+
+def test_whole_step_saves_nothing_but_its_inputs(gpt):
+    """"whole-step" is `checkpoint(model, ...)` around the whole step: nothing kept from forward to backward
+    beyond the inputs (what a block run many times, as under FSDP2, should keep), and it trains as eager."""
+    model, (x, y) = gpt
+    optimized = fxmem.optimize(copy.deepcopy(model), policy="whole-step")
+    measured = measure_peak_bytes(optimized, (x, y))
+    whole = copy.deepcopy(model)
+    forward = whole.forward
+    whole.forward = lambda *args: checkpoint(forward, *args, use_reentrant=False)
+    assert optimized.plan.saved_bytes == 0 and optimized.plan.policy.startswith("whole-step")
+    assert measured < measure_peak_bytes(copy.deepcopy(model), (x, y))
+    assert abs(measured - optimized.plan.predicted_peak_bytes) <= 0.01 * measured
+    by_hand = measure_peak_bytes(whole, (x, y))
+    assert measured <= by_hand * 1.01, f"whole-step: fxmem {measured} bytes, torch.utils.checkpoint {by_hand}"
+    assert_trains_like(copy.deepcopy(model), optimized, (x, y))
 
 
 def _transformers(kind: str) -> torch.nn.Module:

@@ -1,0 +1,84 @@
+#!/usr/bin/env python
+"""One FSDP2 rank of the Llama-3-8B shape (transformers `LlamaConfig`, bf16 weights, built on the meta
+device), simulated on fake tensors under torch's fake process group: the rank's peak with eager blocks,
+with torch's checkpoint on every block (torchtitan's full activation checkpointing), and the least
+`fxmem.fsdp.plan_fsdp` finds with fxmem's block plans; AdamW state per shard; wall time and peak host
+memory (RSS). Nothing runs: no weights exist.
+
+examples:
+  python scripts/bench_fsdp_meta.py --seq 8192 --world-size 8     # 32 layers, batch 1, target h100
+  python scripts/bench_fsdp_meta.py --layers 2 --seq 512           # a quick look
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from bench_meta import peak_rss_bytes
+
+GIB = 2**30
+
+
+def build(args: argparse.Namespace) -> torch.nn.Module:
+    import transformers
+
+    config = transformers.LlamaConfig(
+        hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, vocab_size=args.vocab,
+        max_position_embeddings=max(8192, args.seq), rope_theta=500000.0, use_cache=False,
+        attn_implementation="sdpa")
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq", type=int, default=8192, help="sequence length (default 8192)")
+    p.add_argument("--batch", type=int, default=1, help="batch size per rank (default 1)")
+    p.add_argument("--world-size", type=int, default=8, help="FSDP2 ranks (default 8)")
+    p.add_argument("--layers", type=int, default=32, help="decoder layers (default 32, Llama-3-8B)")
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--intermediate", type=int, default=14336)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--target", default="h100", help="device preset the block plans are priced for (default h100)")
+    p.add_argument("--time-limit", type=float, default=30.0, help="block planner time limit, seconds (default 30)")
+    p.add_argument("--rounds", type=int, default=5, help="block budgets tried for the least (default 5)")
+    p.add_argument("--least-only", action="store_true", help="only the least: no eager or full-checkpointing rank")
+    args = p.parse_args()
+
+    from fxmem import InfeasibleBudgetError
+    from fxmem.fsdp import full_checkpoint_peak, plan_fsdp
+
+    started = time.perf_counter()
+    model = build(args)
+    params = sum(t.numel() for t in model.parameters())
+    ids = torch.empty(args.batch, args.seq, dtype=torch.long, device="meta")
+    kwargs = {"input_ids": ids, "labels": ids}
+    common = dict(world_size=args.world_size, optimizer="adamw", target=args.target)
+    print(f"Llama shape: {args.layers} layers, hidden {args.hidden}, {params / 1e9:.2f} B parameters (bf16), "
+          f"batch {args.batch}, seq {args.seq}, {args.world_size} ranks, AdamW, target {args.target}, on meta")
+    if not args.least_only:
+        eager = plan_fsdp(model, (), None, example_kwargs=kwargs, **common)
+        eager_s = time.perf_counter() - started
+        print(eager.table())
+        print(f"FSDP2 eager blocks, per rank:           {eager.predicted_peak_bytes / GIB:8.2f} GiB ({eager_s:.0f} s)")
+        full = full_checkpoint_peak(model, (), kwargs=kwargs, **common)
+        print(f"FSDP2 + full checkpointing, per rank:   {full / GIB:8.2f} GiB "
+              f"({time.perf_counter() - started - eager_s:.0f} s)")
+    at = time.perf_counter()
+    try:  # a budget no plan meets: the refusal names the least found
+        plan_fsdp(model, (), 1e-6, example_kwargs=kwargs, time_limit_s=args.time_limit, rounds=args.rounds, **common)
+    except InfeasibleBudgetError as exc:
+        print(exc.breakdown)
+        print(f"least found (fxmem's block plans, else torch's checkpoint): {exc.min_budget_bytes / GIB:8.2f} GiB "
+              f"({time.perf_counter() - at:.0f} s, {args.rounds} rounds, {args.time_limit:g} s per block plan)")
+    print(f"whole script {time.perf_counter() - started:.0f} s wall; peak host memory (RSS) {peak_rss_bytes() / GIB:.2f} GiB")
+
+
+if __name__ == "__main__":
+    main()

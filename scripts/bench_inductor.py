@@ -46,6 +46,7 @@ def profiler_growth(module, args, kwargs):
     """Peak bytes allocated above the step's start, from the profiler's CPU memory events."""
     from torch.profiler import ProfilerActivity, profile
 
+    module.zero_grad(set_to_none=True)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         loss_of(module(*args, **kwargs)).backward()
     module.zero_grad(set_to_none=True)
@@ -59,6 +60,7 @@ def profiler_growth(module, args, kwargs):
 
 
 def step_seconds(module, args, kwargs):
+    module.zero_grad(set_to_none=True)
     start = time.perf_counter()
     loss_of(module(*args, **kwargs)).backward()
     module.zero_grad(set_to_none=True)
@@ -84,6 +86,8 @@ def main():
     for name, module in list(configs.items()):
         step_seconds(module, args, kwargs)
     peaks = {name: measure_peak_bytes(m, args, kwargs) for name, m in configs.items()}
+    for m in configs.values():
+        m.zero_grad(set_to_none=True)
     predicted, refused = {}, {}
     for name in [n for n in configs if n.startswith("torch.compile budget")]:
         for inner in ("aot_eager", "inductor"):
@@ -102,6 +106,7 @@ def main():
                 step_seconds(module, args, kwargs)
             configs[label], predicted[label] = module, module.plan.predicted_peak_bytes
             peaks[label] = measure_peak_bytes(module, args, kwargs)
+            module.zero_grad(set_to_none=True)
     growth = {name: profiler_growth(m, args, kwargs) for name, m in configs.items()}
     times = {name: [] for name in configs}
     for _ in range(a.repeats):

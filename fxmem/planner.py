@@ -175,7 +175,7 @@ class Planner:
     def _candidate(self, joint, lowered: Lowered, recompute: frozenset[int],
                    offloaded: frozenset[int] = frozenset()) -> _Candidate:
         names = _saved_names(lowered, recompute)
-        fw, bw = partition(joint, names, num_fwd_outputs=self.num_fwd_outputs)
+        fw, bw = partition(joint, names, num_fwd_outputs=self.num_fwd_outputs, lazy=True)  # simulated, never run
         replay_random_ops(fw, bw)  # as rng_pass will: the simulation sees the saved generator states
         fw, bw = self._offload(fw, bw, [lowered.nodes[i].name for i in sorted(offloaded)])
         return _Candidate(recompute, fw, bw, simulate_step(fw, bw, self.num_fwd_outputs, self.allocator),
@@ -248,8 +248,9 @@ class Planner:
             min_budget = budget
         solve_time = time.perf_counter() - start
         in_joint = {n.name for n in joint.graph.nodes}  # not the generator states passes/rng.py saves
+        inputs = {n.name for n in joint.graph.find_nodes(op="placeholder")}  # unread ones: see partition(lazy=)
         saved = [n.name for n in chosen.bw.graph.find_nodes(op="placeholder")
-                 if not n.name.startswith("tangents") and n.name in in_joint]
+                 if not n.name.startswith("tangents") and n.name in in_joint and (n.users or n.name not in inputs)]
         recomputed = _recomputed(chosen, split, self._views)
         offloaded = [lowered.nodes[i].name for i in sorted(chosen.offloaded)]
         exposed_s = offload_cost(lowered.problem, chosen.offloaded) / 1e9

@@ -67,3 +67,39 @@ def test_no_saved_value_is_left_unread_by_backward():
     (plan,) = optimized.plans
     assert plan.recompute and measured <= budget
     assert abs(measured - plan.predicted_peak_bytes) <= 1e-4 * measured
+
+
+def test_lazy_partition_simulates_as_the_full_one():
+    """partition(lazy=True), as the planner simulates candidates: graphs whose code is generated only when
+    they run, and a parameter backward ends up not reading left as an unread input rather than extracted
+    again (it is on the device all step either way): the same simulated step, the same values read."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    from fxmem.memory import simulate_step
+    from fxmem.passes.recompute import partition
+
+    torch.manual_seed(0)
+    config = {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 32, "block_size": 16, "dropout": 0.1}
+    model, inputs = models.from_name("gpt-tiny", **config), models.example_inputs("gpt-tiny", 2, **config)
+    kept = fxmem.plan(model, inputs).saved  # what the eager step saves
+    keep = _KeepJoint(PlanRequest())
+    trace_on_fakes(CompiledStep(model, capture(model, inputs, {}), keep), model, inputs, {})
+    joint, outputs = keep.joint, keep.num_fwd_outputs
+    primals = [p.name for p in joint.graph.find_nodes(op="placeholder") if not p.name.startswith("tangents")]
+    activations = [name for name in kept if name not in primals]
+    unread_inputs = 0
+    # as the planner partitions: a decision's saved values and every parameter, buffer and input
+    for saved in (primals + activations, primals + activations[::2], primals):
+        full = partition(joint, saved, num_fwd_outputs=outputs)
+        lazy = partition(joint, saved, num_fwd_outputs=outputs, lazy=True)
+        assert all(isinstance(gm, _LazyGraphModule) for gm in lazy)
+        assert not any(isinstance(gm, _LazyGraphModule) for gm in full)
+        assert simulate_step(*lazy, outputs).peak == simulate_step(*full, outputs).peak
+        read = [{p.name for p in bw.graph.find_nodes(op="placeholder") if p.users} for _, bw in (full, lazy)]
+        assert read[0] == read[1]
+        unread = {p.name for p in lazy[1].graph.find_nodes(op="placeholder") if not p.users} - read[1]
+        assert unread <= set(primals)
+        unread_inputs += len(unread)
+        if not unread:  # then the same graphs: code generated when asked for, as the full ones'
+            assert [gm.code for gm in lazy] == [gm.code for gm in full]
+    assert unread_inputs  # the case the lazy graphs skip extracting again arose

@@ -4,7 +4,8 @@ Reads a captured graph, its loss sites (`passes/chunked_loss.py`) and the reques
 step as it is (1 chunk) and, where that does not fit or fits only by recomputing more than the lm head
 costs, plans it with the loss in chunks (each a fresh copy of the graph rewritten by `chunk_loss`):
 where 1 chunk does not fit, the fewest of 2, 4, 8, ... that fits (bisected from the most worth making);
-where it fits by recomputing, 2 chunks when that is predicted faster. Chunking costs the lm head's
+then, where that plan recomputes more than the lm head costs, twice as many chunks, and twice again,
+while the plan is predicted faster (more chunks free more, so less is recomputed). Chunking costs the lm head's
 matmul once more in backward: the plan counts it in `extra_flops` and its step time. Applying a plan
 rewrites the graph with the plan's `loss_chunks`. Only requests with `chunk_loss` (`fxmem.plan`,
 `fxmem.optimize`) chunk: pipeline stages and device regions plan their graphs as traced. A model whose
@@ -111,14 +112,29 @@ def plan_with_loss_chunks(gm: torch.fx.GraphModule, request: Any, plan_graph: Pl
     except InfeasibleBudgetError as exc:
         if sum(site.region_bytes() for site in sites) < MIN_GAIN * exc.min_budget_bytes:
             raise  # the whole loss region is less than chunking must gain: the floor is elsewhere
-        return _fewest_chunks_that_fit(chunked, most_chunks(sites), exc)
-    if unchunked[0].extra_flops <= sum(site.lm_head_flops() for site in sites):
-        return unchunked  # chunking cannot be cheaper than what this plan recomputes
-    try:  # it fits, recomputing more than the lm head costs: the fewest chunks may be faster
-        two = chunked(2)
-    except InfeasibleBudgetError:
-        return unchunked
-    return two if two[0].predicted_step_s < unchunked[0].predicted_step_s else unchunked
+        fitting = _fewest_chunks_that_fit(chunked, most_chunks(sites), exc)
+        return _fastest_chunks(chunked, fitting, sum(site.lm_head_flops() for site in sites), most_chunks(sites))
+    return _fastest_chunks(chunked, unchunked, sum(site.lm_head_flops() for site in sites), most_chunks(sites))
+
+
+def _fastest_chunks(chunked: Callable[[int], tuple[Any, Any]], fitting: tuple[Any, Any], lm_head_flops: int,
+                    most: int) -> tuple[Any, Any]:
+    """From the plan of the fewest chunks that fits (`fitting`, 1 where the loss as traced fits), the
+    fastest predicted of it and twice, four times, ... its chunks (up to `most`): each count frees more of
+    the loss region, so that less is recomputed. Doubling stops at the first count that is not faster
+    or does not fit, or after a plan that recomputes no more than the lm head's matmul (what chunking
+    costs, whatever the count: no count can then be faster)."""
+    best = fitting
+    chunks = 2 * getattr(best[0], "loss_chunks", 1)
+    while best[0].extra_flops > lm_head_flops and chunks <= most:  # a chunked plan's counts the lm head's
+        try:
+            candidate = chunked(chunks)
+        except InfeasibleBudgetError:
+            break
+        if candidate[0].predicted_step_s >= best[0].predicted_step_s:
+            break
+        best, chunks = candidate, chunks * 2
+    return best
 
 
 def _fewest_chunks_that_fit(chunked: Callable[[int], tuple[Any, Any]], most: int,

@@ -1,5 +1,6 @@
 """`fxmem.loss_chunks`: a `labels=` model whose logits are returned beside its loss cannot have its
-loss chunked; its refusal says so and names keep_outputs=False, which lets it chunk and need less."""
+loss chunked; its refusal says so and names keep_outputs=False, which lets it chunk and need less.
+Where a plan fits, the chunk count is doubled while the plan is predicted faster."""
 from __future__ import annotations
 
 import pytest
@@ -22,3 +23,37 @@ def test_labels_refusal_names_keep_outputs_false_which_chunks_the_loss():
         fxmem.plan(model, (), 0.001, example_kwargs=kwargs, keep_outputs=False, time_limit_s=2)
     assert "chunks of tokens" in str(dropped.value), dropped.value
     assert dropped.value.min_budget_bytes < kept.value.min_budget_bytes
+
+
+def _counts(predicted: dict[int, float], extra: dict[int, int], asked: list[int]):
+    """A stand-in for planning the step with the loss in k chunks: plans whose predicted time and extra
+    FLOPs are given per k (a k missing from `predicted` does not fit)."""
+    from types import SimpleNamespace
+
+    def chunked(k: int):
+        asked.append(k)
+        if k not in predicted:
+            raise fxmem.InfeasibleBudgetError(1, 2)
+        return SimpleNamespace(loss_chunks=k, predicted_step_s=predicted[k], extra_flops=extra[k]), None
+    return chunked
+
+
+@pytest.mark.parametrize("predicted, extra, chosen, asked", [
+    # more chunks free more of the loss region: doubled while faster, stopped at the first not faster
+    ({1: 10.0, 2: 9.0, 4: 8.5, 8: 8.5, 16: 7.0}, {1: 50, 2: 40, 4: 30, 8: 30, 16: 12}, 4, [1, 2, 4, 8]),
+    # stopped after a plan recomputing no more than the lm head (10): no count can be faster
+    ({1: 10.0, 2: 9.0, 4: 8.0}, {1: 50, 2: 10, 4: 10}, 2, [1, 2]),
+    # a count that does not fit stops the doubling
+    ({1: 10.0, 2: 9.0}, {1: 50, 2: 40}, 2, [1, 2, 4]),
+    # as traced recomputing no more than the lm head costs: never chunked
+    ({1: 10.0, 2: 9.0}, {1: 10, 2: 10}, 1, [1]),
+    # from the fewest chunks that fit (4), up to the most worth making (16)
+    ({4: 9.0, 8: 8.0, 16: 7.0, 32: 6.0}, {4: 50, 8: 40, 16: 30, 32: 20}, 16, [4, 8, 16]),
+])
+def test_fastest_chunks_doubles_the_count_while_the_plan_is_faster(predicted, extra, chosen, asked):
+    from fxmem.loss_chunks import _fastest_chunks
+
+    tried: list[int] = []
+    chunked = _counts(predicted, extra, tried)
+    plan, _ = _fastest_chunks(chunked, chunked(min(predicted)), lm_head_flops=10, most=16)
+    assert plan.loss_chunks == chosen and tried == asked

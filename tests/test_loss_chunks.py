@@ -57,3 +57,31 @@ def test_fastest_chunks_doubles_the_count_while_the_plan_is_faster(predicted, ex
     chunked = _counts(predicted, extra, tried)
     plan, _ = _fastest_chunks(chunked, chunked(min(predicted)), lm_head_flops=10, most=16)
     assert plan.loss_chunks == chosen and tried == asked
+
+
+def test_least_is_the_same_when_the_loss_as_traced_is_not_planned_below_its_floor(monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    import torch.nn.functional as F
+
+    import fxmem.engine
+    import fxmem.loss_chunks
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=2000, n_positions=64, use_cache=False))
+    ids = torch.randint(0, 2000, (2, 64))
+    planned, plan_graph = [], fxmem.engine._planned
+    monkeypatch.setattr(fxmem.engine, "_planned", lambda *args: planned.append(args[1]) or plan_graph(*args))
+
+    def least() -> fxmem.InfeasibleBudgetError:
+        with pytest.raises(fxmem.InfeasibleBudgetError) as refused:
+            fxmem.plan(model, (ids,), 1e-6, loss_fn=lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten()),
+                       example_target=ids, time_limit_s=2)
+        return refused.value
+
+    skipping = least()
+    floor_skipped = len(planned)
+    monkeypatch.setattr(fxmem.loss_chunks, "traced_floor", lambda gm, sites: 0)  # the loss as traced planned too
+    compared = least()
+    assert (skipping.min_budget_bytes, skipping.loss_chunks) == (compared.min_budget_bytes, compared.loss_chunks)
+    assert skipping.loss_chunks > 1 and floor_skipped == 1 and len(planned) - floor_skipped == 2

@@ -5,7 +5,8 @@ step as it is (1 chunk) and, where that does not fit or fits only by recomputing
 costs, plans it with the loss in chunks (each a fresh copy of the graph rewritten by `chunk_loss`):
 where 1 chunk does not fit, the fewest of 2, 4, 8, ... that fits (bisected from the most worth making);
 then, where that plan recomputes more than the lm head costs, twice as many chunks, and twice again,
-while the plan is predicted faster (more chunks free more, so less is recomputed). A budget below the
+while each count is predicted faster than half of it (more chunks free more, so less is recomputed),
+keeping the fastest. A budget below the
 loss's floor as traced (`traced_floor`: parameters and the log-softmax with its gradient) skips
 planning 1 chunk, as does a least named with chunks below that floor. Chunking costs the lm head's
 matmul once more in backward: the plan counts it in `extra_flops` and its step time. Applying a plan
@@ -148,20 +149,23 @@ def traced_floor(gm: torch.fx.GraphModule, sites: list[LossSite]) -> int:
 def _fastest_chunks(chunked: Callable[[int], tuple[Any, Any]], fitting: tuple[Any, Any], lm_head_flops: int,
                     most: int) -> tuple[Any, Any]:
     """From the plan of the fewest chunks that fits (`fitting`, 1 where the loss as traced fits), the
-    fastest predicted of it and twice, four times, ... its chunks (up to `most`): each count frees more of
-    the loss region, so that less is recomputed. Doubling stops at the first count that is not faster
-    or does not fit, or after a plan that recomputes no more than the lm head's matmul (what chunking
-    costs, whatever the count: no count can then be faster)."""
-    best = fitting
-    chunks = 2 * getattr(best[0], "loss_chunks", 1)
-    while best[0].extra_flops > lm_head_flops and chunks <= most:  # a chunked plan's counts the lm head's
+    fastest predicted of it and twice, four times, ... its chunks (up to `most`): each count frees more
+    of the loss region, so that less is recomputed, while chunking's own cost (the lm head's matmul once
+    more) is the same at every count. Doubling stops where a count does not fit, where a count above 2
+    is not faster than half of it, or after a plan that recomputes no more than the lm head's matmul (no
+    count can then be faster)."""
+    best = previous = fitting
+    chunks = 2 * getattr(fitting[0], "loss_chunks", 1)
+    while previous[0].extra_flops > lm_head_flops and chunks <= most:  # a chunked plan's counts the lm head's
         try:
             candidate = chunked(chunks)
         except InfeasibleBudgetError:
             break
-        if candidate[0].predicted_step_s >= best[0].predicted_step_s:
+        if candidate[0].predicted_step_s < best[0].predicted_step_s:
+            best = candidate
+        if chunks > 2 and candidate[0].predicted_step_s >= previous[0].predicted_step_s:
             break
-        best, chunks = candidate, chunks * 2
+        previous, chunks = candidate, chunks * 2
     return best
 
 

@@ -1,6 +1,7 @@
 """`fxmem.loss_chunks`: a `labels=` model whose logits are returned beside its loss cannot have its
 loss chunked; its refusal says so and names keep_outputs=False, which lets it chunk and need less.
-Where a plan fits, the chunk count is doubled while the plan is predicted faster."""
+Where a plan fits, the chunk count is doubled while the plan gets faster; the least search skips
+planning the loss as traced below its floor."""
 from __future__ import annotations
 
 import pytest
@@ -47,10 +48,14 @@ def _counts(predicted: dict[int, float], extra: dict[int, int], asked: list[int]
     ({1: 10.0, 2: 9.0}, {1: 50, 2: 40}, 2, [1, 2, 4]),
     # as traced recomputing no more than the lm head costs: never chunked
     ({1: 10.0, 2: 9.0}, {1: 10, 2: 10}, 1, [1]),
+    # 2 chunks pay the lm head's matmul and are slower, 4 free enough to be faster
+    ({1: 10.0, 2: 10.5, 4: 9.5, 8: 9.6}, {1: 50, 2: 45, 4: 30, 8: 30}, 4, [1, 2, 4, 8]),
+    # nor are 4: as traced kept
+    ({1: 10.0, 2: 10.5, 4: 10.6, 8: 9.0}, {1: 50, 2: 45, 4: 40, 8: 30}, 1, [1, 2, 4]),
     # from the fewest chunks that fit (4), up to the most worth making (16)
     ({4: 9.0, 8: 8.0, 16: 7.0, 32: 6.0}, {4: 50, 8: 40, 16: 30, 32: 20}, 16, [4, 8, 16]),
 ])
-def test_fastest_chunks_doubles_the_count_while_the_plan_is_faster(predicted, extra, chosen, asked):
+def test_fastest_chunks_doubles_the_count_while_the_plan_gets_faster(predicted, extra, chosen, asked):
     from fxmem.loss_chunks import _fastest_chunks
 
     tried: list[int] = []

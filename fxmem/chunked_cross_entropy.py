@@ -73,13 +73,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad = (grad * row_scale[start:stop].unsqueeze(1)).to(mm_dtype)
             if want_hidden:
                 grad_hidden.append((grad @ w).to(hidden.dtype))
-            if want_weight:  # one weight-sized sum alive besides the one made: addmm where the dtypes allow
-                if grad_weight is None:
+            if want_weight:  # one weight-sized sum alive besides the one made: addmm where the dtypes allow,
+                if grad_weight is None:  # else the chunk's product added in place (no fp32 copy of it)
                     grad_weight = (grad.t() @ h).to(acc_dtype)
                 elif acc_dtype == mm_dtype:
                     grad_weight = torch.addmm(grad_weight, grad.t(), h)
                 else:
-                    grad_weight = grad_weight + (grad.t() @ h).to(acc_dtype)
+                    grad_weight.add_(grad.t() @ h)
             if want_bias:
                 part = grad.sum(dim=0).to(acc_dtype)
                 grad_bias = part if grad_bias is None else grad_bias + part

@@ -4,7 +4,11 @@ Reads a captured graph, its loss sites (`passes/chunked_loss.py`) and the reques
 step as it is (1 chunk) and, where that does not fit or fits only by recomputing more than the lm head
 costs, plans it with the loss in chunks (each a fresh copy of the graph rewritten by `chunk_loss`):
 where 1 chunk does not fit, the fewest of 2, 4, 8, ... that fits (bisected from the most worth making);
-where it fits by recomputing, 2 chunks when that is predicted faster. Chunking costs the lm head's
+then, where that plan recomputes more than the lm head costs, twice as many chunks, and twice again,
+while each count is predicted faster than half of it (more chunks free more, so less is recomputed),
+keeping the fastest. A budget below the
+loss's floor as traced (`traced_floor`: parameters and the log-softmax with its gradient) skips
+planning 1 chunk, as does a least named with chunks below that floor. Chunking costs the lm head's
 matmul once more in backward: the plan counts it in `extra_flops` and its step time. Applying a plan
 rewrites the graph with the plan's `loss_chunks`. Only requests with `chunk_loss` (`fxmem.plan`,
 `fxmem.optimize`) chunk: pipeline stages and device regions plan their graphs as traced. A model whose
@@ -106,32 +110,62 @@ def plan_with_loss_chunks(gm: torch.fx.GraphModule, request: Any, plan_graph: Pl
         step.planner.plan = plan = chunked_plan(plan, sites, chunks, request.device)
         return plan, step
 
+    def as_traced() -> tuple[Any, Any] | InfeasibleBudgetError:
+        try:
+            return plan_graph(copy_graph(gm), request)
+        except InfeasibleBudgetError as exc:
+            return exc
+
+    lm_head_flops, most, floor = sum(site.lm_head_flops() for site in sites), most_chunks(sites), traced_floor(gm, sites)
+    unchunked = as_traced() if request.budget_bytes >= floor else None  # below the floor it cannot fit
+    if isinstance(unchunked, tuple):
+        return _fastest_chunks(chunked, unchunked, lm_head_flops, most)
+    if unchunked is not None and sum(site.region_bytes() for site in sites) < MIN_GAIN * unchunked.min_budget_bytes:
+        raise unchunked  # the whole loss region is less than chunking must gain: the floor is elsewhere
     try:
-        unchunked = plan_graph(copy_graph(gm), request)
+        fitting = chunked(most)
     except InfeasibleBudgetError as exc:
-        if sum(site.region_bytes() for site in sites) < MIN_GAIN * exc.min_budget_bytes:
-            raise  # the whole loss region is less than chunking must gain: the floor is elsewhere
-        return _fewest_chunks_that_fit(chunked, most_chunks(sites), exc)
-    if unchunked[0].extra_flops <= sum(site.lm_head_flops() for site in sites):
-        return unchunked  # chunking cannot be cheaper than what this plan recomputes
-    try:  # it fits, recomputing more than the lm head costs: the fewest chunks may be faster
-        two = chunked(2)
-    except InfeasibleBudgetError:
-        return unchunked
-    return two if two[0].predicted_step_s < unchunked[0].predicted_step_s else unchunked
+        if unchunked is None and exc.min_budget_bytes >= floor:  # chunks may not go lower: compare
+            unchunked = as_traced()
+            if isinstance(unchunked, tuple):
+                return unchunked
+        if unchunked is None or exc.min_budget_bytes < unchunked.min_budget_bytes:
+            raise _with_chunks(exc, most) from None
+        raise unchunked from None
+    fitting = fewest_fitting(chunked, most, fitting, "loss in %d chunks")
+    log.info("fxmem: the loss is computed in %d chunks of tokens", fitting[0].loss_chunks)
+    return _fastest_chunks(chunked, fitting, lm_head_flops, most)
 
 
-def _fewest_chunks_that_fit(chunked: Callable[[int], tuple[Any, Any]], most: int,
-                            refusal: InfeasibleBudgetError) -> tuple[Any, Any]:
-    """The plan with the fewest chunks (a power of two up to `most`) that fits, where 1 chunk does not
-    (`refusal`): `most` first, then a bisection of the powers of two between; raises the refusal naming
-    the least budget with `most` chunks where even that does not fit."""
-    try:
-        best = chunked(most)
-    except InfeasibleBudgetError as exc:
-        raise _with_chunks(exc, most) if exc.min_budget_bytes < refusal.min_budget_bytes else refusal from None
-    best = fewest_fitting(chunked, most, best, "loss in %d chunks")
-    log.info("fxmem: the loss is computed in %d chunks of tokens", best[0].loss_chunks)
+def traced_floor(gm: torch.fx.GraphModule, sites: list[LossSite]) -> int:
+    """A lower bound on the peak of any plan with the loss as traced: the parameters, held for the whole
+    step, and a site's log-softmax output and its gradient (tokens x vocab each), alive together in its
+    backward whatever is kept or recomputed. Where a budget is below it, the loss as traced is not
+    planned; where chunks name a least below it, it is not planned to compare."""
+    params = sum(p.numel() * p.element_size() for p in gm.parameters())
+    return params + max(2 * site.tokens * site.vocab * site.dtype.itemsize for site in sites)
+
+
+def _fastest_chunks(chunked: Callable[[int], tuple[Any, Any]], fitting: tuple[Any, Any], lm_head_flops: int,
+                    most: int) -> tuple[Any, Any]:
+    """From the plan of the fewest chunks that fits (`fitting`, 1 where the loss as traced fits), the
+    fastest predicted of it and twice, four times, ... its chunks (up to `most`): each count frees more
+    of the loss region, so that less is recomputed, while chunking's own cost (the lm head's matmul once
+    more) is the same at every count. Doubling stops where a count does not fit, where a count above 2
+    is not faster than half of it, or after a plan that recomputes no more than the lm head's matmul (no
+    count can then be faster)."""
+    best = previous = fitting
+    chunks = 2 * getattr(fitting[0], "loss_chunks", 1)
+    while previous[0].extra_flops > lm_head_flops and chunks <= most:  # a chunked plan's counts the lm head's
+        try:
+            candidate = chunked(chunks)
+        except InfeasibleBudgetError:
+            break
+        if candidate[0].predicted_step_s < best[0].predicted_step_s:
+            best = candidate
+        if chunks > 2 and candidate[0].predicted_step_s >= previous[0].predicted_step_s:
+            break
+        previous, chunks = candidate, chunks * 2
     return best
 
 

@@ -2,7 +2,10 @@
 """Plan the Llama-3-8B shape (transformers `LlamaConfig`, bf16) built on the meta device, for an H100:
 wall time, this process's peak host memory (RSS), the least budget fxmem finds, and, for comparison,
 eager's and full activation checkpointing's peaks (MemTracker on fake tensors, as `fxmem.eager_meter`
-measures eager; per decoder layer, `gradient_checkpointing_enable`). Nothing runs: no weights exist.
+measures eager; per decoder layer, `gradient_checkpointing_enable`), and the loss region's peak (the lm
+head on the last hidden states -> fp32 upcast -> cross-entropy, forward and backward, MemTracker on fake
+tensors) whole and in the chunk count the least was found with (`fxmem.chunked_cross_entropy`).
+Nothing runs: no weights exist.
 
 examples:
   python scripts/bench_meta.py --seq 2048                  # 32 layers, batch 1, target h100
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import resource
 import time
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -26,9 +30,14 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def next_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """Each position's next token, the last one ignored: transformers shifts the labels, not the logits."""
+    return F.pad(labels, (0, 1), value=-100)[:, 1:]
+
+
 def cross_entropy(out, labels):
-    """The causal LM loss as transformers computes it: logits upcast to float32."""
-    return F.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
+    """The causal LM loss as transformers computes it: logits upcast to float32, labels shifted."""
+    return F.cross_entropy(out.logits.flatten(0, 1).float(), next_tokens(labels).flatten())
 
 
 def build(args: argparse.Namespace) -> torch.nn.Module:
@@ -57,6 +66,41 @@ def full_ac_peak(model: torch.nn.Module, ids: torch.Tensor, target: str) -> int 
             return eager_peak_bytes(step, (ids,), {"target": ids})
     finally:
         model.gradient_checkpointing_disable()
+
+
+class LossRegion(torch.nn.Module):
+    """The step's loss region alone: `model`'s lm head on hidden states (a parameter here, so that its
+    gradient is made) -> upcast -> cross-entropy as `cross_entropy` computes it, whole (`chunks` 1) or
+    in `chunks` chunks of tokens as fxmem's rewrite computes it."""
+
+    def __init__(self, model: torch.nn.Module, batch: int, seq: int, chunks: int):
+        super().__init__()
+        self.lm_head, self.chunks = model.lm_head, chunks
+        weight = model.lm_head.weight
+        self.hidden = torch.nn.Parameter(torch.empty(batch, seq, weight.shape[1], dtype=weight.dtype,
+                                                     device=weight.device))
+
+    def forward(self, labels: torch.Tensor) -> torch.Tensor:
+        from fxmem.chunked_cross_entropy import chunked_linear_cross_entropy
+
+        if self.chunks == 1:
+            return cross_entropy(SimpleNamespace(logits=self.lm_head(self.hidden)), labels)
+        return chunked_linear_cross_entropy(self.hidden, self.lm_head.weight, self.lm_head.bias,
+                                            next_tokens(labels), self.chunks)
+
+
+def loss_region_bytes(model: torch.nn.Module, ids: torch.Tensor, target: str, chunks: int) -> int | None:
+    """The loss region's peak above its inputs (the lm head's weight and the hidden states), their
+    gradients included, MemTracker on fakes."""
+    from fxmem.cost import DeviceSpec
+    from fxmem.eager_meter import eager_peak_bytes
+    from fxmem.meta_device import planned_on
+
+    region = LossRegion(model, *ids.shape, chunks)
+    inputs = sum(p.numel() * p.element_size() for p in region.parameters())
+    with planned_on(region, DeviceSpec.from_name(target)):
+        peak = eager_peak_bytes(region, (ids,), {})
+    return None if peak is None else peak - inputs
 
 
 def main() -> None:
@@ -99,11 +143,17 @@ def main() -> None:
           f"batch {args.batch}, seq {args.seq}, {args.attention} attention, target {args.target}, on meta")
     print(f"least budget found:        {least.min_budget_bytes / GIB:8.2f} GiB"
           f" ({'proven' if least.proven else f'proven >= {least.lower_bound_bytes / GIB:.2f} GiB'};"
-          f" time limit {args.time_limit:g} s)")
+          f" time limit {args.time_limit:g} s; the loss in {getattr(least, 'loss_chunks', 1)} chunk(s) of tokens)")
     if eager is not None:
         print(f"fxmem eager step (no recompute): {eager.baseline_peak_bytes / GIB:8.2f} GiB")
     if eager is not None and eager.eager_peak_bytes:
         print(f"PyTorch eager, MemTracker:  {eager.eager_peak_bytes / GIB:8.2f} GiB")
+    chunks = getattr(least, "loss_chunks", 1)
+    for label, count in (("whole", 1), (f"in {chunks} chunks", chunks)) if chunks > 1 else (("whole", 1),):
+        region = loss_region_bytes(model, ids, args.target, count)
+        if region is not None:
+            print(f"loss region's peak, {label}: {region / GIB:8.2f} GiB (above the lm head's weight and the "
+                  "hidden states; their gradients included)")
     if full_ac is not None:
         print(f"full activation checkpointing, MemTracker: {full_ac / GIB:8.2f} GiB "
               "(tensors only: no allocator rounding, no BLAS workspaces)")

@@ -45,6 +45,18 @@ def test_function_equals_cross_entropy(chunks, reduction, smoothing):
         torch.testing.assert_close(a, b, **TOL)
 
 
+def test_bf16_weight_gradient_is_summed_in_fp32_and_as_close_to_exact_as_eagers():
+    torch.manual_seed(0)
+    hidden = torch.randn(64, 32, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(500, 32, dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, 500, (64,))
+    exact = torch.autograd.grad(F.cross_entropy(F.linear(hidden.double(), weight.double()), target), weight)[0]
+    eager = torch.autograd.grad(F.cross_entropy(F.linear(hidden, weight).float(), target), weight)[0]
+    got = torch.autograd.grad(chunked_linear_cross_entropy(hidden, weight, None, target, 7), weight)[0]
+    assert got.dtype == eager.dtype == torch.bfloat16
+    assert (got.double() - exact).abs().max() <= (eager.double() - exact).abs().max()
+
+
 def test_function_gives_none_where_eager_does_and_nan_with_no_token():
     hidden, weight = torch.randn(6, 8), torch.randn(20, 8, requires_grad=True)
     target = torch.randint(0, 20, (6,))

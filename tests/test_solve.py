@@ -228,13 +228,28 @@ def test_no_valid_decision_is_infeasible():
         min_peak(problem)
 
 
-def test_cpsat_falls_back_to_greedy_when_out_of_time():
+def test_cpsat_falls_back_to_greedy_when_out_of_time(monkeypatch):
+    """CP-SAT out of time with no decision: the greedy decision, with the greedy's status."""
+    import fxmem.solve.recompute.cpsat as cpsat
+
+    problem = chain(60)
+    p = replace(problem, budget=eager_peak(problem) // 2)
+    greedy = solve_greedy(p)
+    assert greedy.status == "feasible"
+    monkeypatch.setattr(cpsat._Model, "run", lambda self, *args: (cpsat.cp_model.UNKNOWN, None))
+    sol = solve_cpsat(p, time_limit_s=5.0)
+    assert sol.solver == "cpsat" and sol.status == "feasible" and sol.recompute == greedy.recompute
+    assert is_feasible(p, sol.recompute) and not violations(p, sol.recompute)
+
+
+def test_cpsat_out_of_time_never_calls_an_unchecked_decision_feasible():
+    """With too little time for either solver (how little depends on the machine's load), whatever comes
+    back is called feasible exactly when it is."""
     problem = chain(1000)
     p = replace(problem, budget=eager_peak(problem) // 2)
     sol = solve_cpsat(p, time_limit_s=0.05)
     assert sol.solver == "cpsat" and not violations(p, sol.recompute)
     assert (sol.status != "infeasible") == is_feasible(p, sol.recompute)
-    assert sol.status == "optimal" or sol.gap > 0.0
 
 
 def test_speed_2000_candidates():

@@ -16,21 +16,9 @@ import time
 
 import torch
 
-from bench_meta import peak_rss_bytes
+from bench_meta import add_shape_arguments, build, peak_rss_bytes
 
 GIB = 2**30
-
-
-def build(args: argparse.Namespace) -> torch.nn.Module:
-    import transformers
-
-    config = transformers.LlamaConfig(
-        hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, vocab_size=args.vocab,
-        max_position_embeddings=max(8192, args.seq), rope_theta=500000.0, use_cache=False,
-        attn_implementation="sdpa")
-    with torch.device("meta"):
-        return transformers.LlamaForCausalLM(config).to(torch.bfloat16)
 
 
 def main() -> None:
@@ -39,12 +27,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=8192, help="sequence length (default 8192)")
     p.add_argument("--batch", type=int, default=1, help="batch size per rank (default 1)")
     p.add_argument("--world-size", type=int, default=8, help="FSDP2 ranks (default 8)")
-    p.add_argument("--layers", type=int, default=32, help="decoder layers (default 32, Llama-3-8B)")
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--intermediate", type=int, default=14336)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=128256)
+    add_shape_arguments(p)
     p.add_argument("--target", default="h100", help="device preset the block plans are priced for (default h100)")
     p.add_argument("--time-limit", type=float, default=30.0, help="block planner time limit, seconds (default 30)")
     p.add_argument("--rounds", type=int, default=5, help="block budgets tried for the least (default 5)")

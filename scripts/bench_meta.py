@@ -47,9 +47,19 @@ def build(args: argparse.Namespace) -> torch.nn.Module:
         hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, vocab_size=args.vocab,
         max_position_embeddings=max(8192, args.seq), rope_theta=500000.0, use_cache=False,
-        attn_implementation=args.attention)
+        attn_implementation=getattr(args, "attention", "sdpa"))
     with torch.device("meta"):
         return transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+
+
+def add_shape_arguments(p: argparse.ArgumentParser) -> None:
+    """The Llama shape `build` reads (defaults: Llama-3-8B)."""
+    p.add_argument("--layers", type=int, default=32, help="decoder layers (default 32, Llama-3-8B)")
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--intermediate", type=int, default=14336)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=128256)
 
 
 def full_ac_peak(model: torch.nn.Module, ids: torch.Tensor, target: str) -> int | None:
@@ -108,12 +118,7 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
     p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
-    p.add_argument("--layers", type=int, default=32, help="decoder layers (default 32, Llama-3-8B)")
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--intermediate", type=int, default=14336)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=128256)
+    add_shape_arguments(p)
     p.add_argument("--attention", default="sdpa", choices=("sdpa", "eager"), help="attention (default sdpa)")
     p.add_argument("--target", default="h100", help="device preset to plan for (default h100)")
     p.add_argument("--time-limit", type=float, default=30.0, help="planner time limit, seconds (default 30)")

@@ -7,6 +7,8 @@ a progress line on stderr while planning on a terminal (`fxmem.progress.planning
 """
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
@@ -149,9 +151,9 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
         with planned_on(model, spec):  # a meta model's outputs are read on the device it is planned for
             stepped = planned_step(model, args, kwargs, model_loss, keep_outputs is not False, measure=(
                 budget_gb is not None or eager_meter or (policy is not None and policy.name == "speed")))
-        model, loss = stepped.module, stepped.loss
+        model, loss, held_outputs = stepped.module, stepped.loss, stepped.naming_held_outputs()
     else:
-        loss = ""
+        loss, held_outputs = "", contextlib.nullcontext()
     budget = budget_bytes(budget_gb)
     check_pool(pool)
     request = make_request(model, args, kwargs, budget=budget, device=spec,
@@ -169,7 +171,7 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
         raise ValueError("num_stages= plans pipeline stages; offload= and pool= apply to one device's step, "
                          "not yet to pipeline stages")
     with planning(f"planning {request.model} {short_signature(request.signature)}", request.time_limit_s), \
-            planned_on(model, request.device):  # a meta model: its fakes on the device it is planned for
+            planned_on(model, request.device), held_outputs:  # a meta model: its fakes on the device it is planned for
         if num_stages is not None:
             return plan_pipeline(model, args, kwargs, request,
                                  PipelineRequest(num_stages, schedule, n_microbatches, optimizer))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch

@@ -240,7 +240,8 @@ class OptimizedModule(ModelWrapper):
                                       resident_gradient_bytes=grads.bytes, resident_gradients=grads.description)
         _warn_unplanned_gradients(request, grads)
         log.info("fxmem: planning %s %s", request.model, request.signature)
-        with planning(f"planning {request.model} {short_signature(request.signature)}", request.time_limit_s):
+        with planning(f"planning {request.model} {short_signature(request.signature)}", request.time_limit_s), \
+                stepped.naming_held_outputs():
             step = _eager_or_planned(module, args, kwargs, request, stepped.eager_peak)
             if isinstance(step, EagerStep):
                 return step, step(args, kwargs)

@@ -11,6 +11,7 @@ loss and the logits get no zero gradient. Any other model leaves its loss outsid
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import warnings
@@ -23,7 +24,7 @@ import torch.utils._pytree as pytree
 
 from fxmem.call_check import check_call, outputs_on_fakes
 from fxmem.eager_meter import eager_peak_bytes
-from fxmem.errors import fmt_bytes
+from fxmem.errors import InfeasibleBudgetError, fmt_bytes
 from fxmem.wrapper import ModelWrapper
 
 log = logging.getLogger("fxmem")
@@ -134,19 +135,35 @@ class OwnLossStep(ModelWrapper):
 
 class Step:
     """The module to plan for a call (`module`), the plan table's "loss" row (`loss`) and PyTorch eager's
-    peak for that module's step (`eager_peak()`: measured with the outputs' reading, else when first asked)."""
+    peak for that module's step (`eager_peak()`: measured with the outputs' reading, else when first asked).
+    `held_bytes`: the outputs beside the loss that are returned, so held to the step's end, and that
+    `keep_outputs=False` would drop (the logits of a language model called with `labels=`)."""
 
     _UNMEASURED = object()
 
     def __init__(self, module: torch.nn.Module, loss: str, args: tuple, kwargs: dict,
-                 eager_peak: Any = _UNMEASURED):
+                 eager_peak: Any = _UNMEASURED, held_bytes: int = 0):
         self.module, self.loss, self._args, self._kwargs, self._peak = module, loss, args, kwargs, eager_peak
+        self.held_bytes = held_bytes
 
     def eager_peak(self) -> int | None:
         """`fxmem.eager_meter.eager_peak_bytes` of the step (None where it cannot run on fakes), measured once."""
         if self._peak is Step._UNMEASURED:
             self._peak = eager_peak_bytes(self.module, self._args, self._kwargs)
         return self._peak
+
+    @contextlib.contextmanager
+    def naming_held_outputs(self):
+        """An InfeasibleBudgetError raised inside also names `keep_outputs=False`, where outputs are held."""
+        try:
+            yield
+        except InfeasibleBudgetError as exc:
+            if self.held_bytes and not getattr(exc, "names_held_outputs", False):
+                exc.names_held_outputs = True
+                exc.args = (f"{exc.args[0]}; the model's outputs beside its loss ({fmt_bytes(self.held_bytes)}) are "
+                            "returned, so held to the step's end: keep_outputs=False drops them (the loss alone "
+                            "is returned) and lets the loss be computed in chunks",)
+            raise
 
 
 def step_module(model: torch.nn.Module, args: tuple, kwargs: dict, model_loss: bool = True,
@@ -173,7 +190,8 @@ def planned_step(model: torch.nn.Module, args: tuple, kwargs: dict, model_loss: 
     if boundary.kind == "field" and model_loss:
         log.info("fxmem: planning %s with its `loss` output as the step's loss; its other outputs are "
                  "returned detached (model_loss=False to backpropagate through them)", type(model).__qualname__)
-        return Step(OwnLossStep(model, keep_outputs), boundary.text(keep_outputs), args, kwargs, peak)
+        return Step(OwnLossStep(model, keep_outputs), boundary.text(keep_outputs), args, kwargs, peak,
+                    boundary.other_bytes if keep_outputs else 0)
     if not keep_outputs and boundary.kind != "unknown":
         raise ValueError("keep_outputs=False goes with loss_fn= or a model whose output has a scalar `loss` "
                          "(model_loss=True)")

@@ -74,6 +74,21 @@ def test_keep_outputs_false_returns_the_loss_alone():
     assert out.logits is None and out.loss.requires_grad
 
 
+def test_a_refused_budget_names_keep_outputs_false_whose_least_is_lower_and_met():
+    """The returned logits hold the floor of a `labels=` step; the refusal says so, and the least it
+    names without them is lower and met by the next call."""
+    model, ids = _gpt2(vocab=4096, tokens=(2, 128))
+    with pytest.raises(InfeasibleBudgetError, match="keep_outputs=False drops them") as kept:
+        fxmem.optimize(copy.deepcopy(model), budget_gb=1e-6, time_limit_s=2)(ids, labels=ids)
+    with pytest.raises(InfeasibleBudgetError) as dropped:
+        fxmem.optimize(copy.deepcopy(model), budget_gb=1e-6, time_limit_s=2, keep_outputs=False)(ids, labels=ids)
+    assert "keep_outputs" not in str(dropped.value)
+    least = dropped.value.min_budget_bytes
+    assert least < kept.value.min_budget_bytes
+    optimized = fxmem.optimize(copy.deepcopy(model), budget_gb=least / GIB, time_limit_s=2, keep_outputs=False)
+    assert measure_peak_bytes(optimized, (ids,), {"labels": ids}) <= least
+
+
 def test_least_budget_is_at_most_the_models_own_checkpointing_peak():
     """Both measured the way transformers' examples train (the output held until backward ends)."""
     model, ids = _gpt2(n_layer=4, vocab=2048, tokens=(4, 128))

@@ -87,8 +87,8 @@ def bench(name: str, args) -> list[dict]:
     del eager_model
     with autocast():
         eager_plan = fxmem.plan(copy.deepcopy(cpu_model).cuda(), inputs, time_limit_s=args.time_limit)
-    rows = [{"model": name, "method": "eager", "budget MiB": "-", "predicted MiB": eager_plan.baseline_peak_bytes / MIB,
-             "measured MiB": eager_peak / MIB, "over budget": "-", "step ms": eager_ms, "x eager": 1.0}]
+    rows = _Rows([{"model": name, "method": "eager", "budget MiB": "-", "predicted MiB": eager_plan.baseline_peak_bytes / MIB,
+             "measured MiB": eager_peak / MIB, "over budget": "-", "step ms": eager_ms, "x eager": 1.0}])
     for fraction in args.budgets:
         budget = fraction * eager_plan.baseline_peak_bytes
         model = copy.deepcopy(cpu_model).cuda()
@@ -109,6 +109,19 @@ def bench(name: str, args) -> list[dict]:
         del optimized, model
         torch.cuda.empty_cache()
     return rows
+
+
+class _Rows(list):
+    """The table's rows, each printed as it comes (a run cut off by a time limit keeps what it made)."""
+
+    def __init__(self, rows):
+        super().__init__()
+        for row in rows:
+            self.append(row)
+
+    def append(self, row):
+        super().append(row)
+        print(table([row]).splitlines()[-1], flush=True)
 
 
 def table(rows: list[dict]) -> str:

@@ -1,16 +1,20 @@
 #!/usr/bin/env python
 """fxmem's plan compiled by Inductor, beside torch.compile's own memory budget (the knapsack), on this machine.
 
-For each model: eager, `torch.compile` (Inductor) with no budget and with `activation_memory_budget` at
-each --knapsack fraction, then fxmem at each knapsack's measured peak, with `inner="aot_eager"` (eager
-kernels) and `inner="inductor"` (where fxmem refuses a budget, at the least it names instead). Peaks are measured by MemTracker (`fxmem.measure`) and, as a cross-check
-that sees every CPU allocation Inductor's code makes, by the profiler's memory events (growth over the
-step's start); fxmem's predicted peak beside them. Step times are medians of --repeats steps timed
+For each model: eager, full activation checkpointing (`--full-ac`), `torch.compile` (Inductor) with no budget and with
+`activation_memory_budget` at each --knapsack fraction, then fxmem at each knapsack's (and full
+checkpointing's) measured peak, with `inner="aot_eager"` (eager
+kernels) and `inner="inductor"` (where fxmem refuses a budget, at the least it names instead). Peaks are measured by MemTracker (`fxmem.measure`; on `--device cuda`,
+`torch.cuda.max_memory_allocated`) and on CPU, as a cross-check that sees every allocation Inductor's
+code makes, by the profiler's memory events (growth over the step's start); fxmem's predicted peak
+beside them. Step times are medians of --repeats steps timed
 round-robin over every configuration, so a change of load hits each alike.
 
 examples:
   python scripts/bench_inductor.py --model gpt-tiny
   python scripts/bench_inductor.py --model gpt2-hf --knapsack 0.5,0.2 --repeats 5
+  python scripts/bench_inductor.py --model gpt2-124m --batch 8 --seq 1024 --device cuda --full-ac \
+      --knapsack 0.5,0.2 --inners inductor
 """
 from __future__ import annotations
 
@@ -29,7 +33,14 @@ from fxmem.measure import loss_of, measure_peak_bytes
 MiB = 2**20
 
 
-def build(name):
+def build(name, batch, seq):
+    if name == "gpt2-124m":  # GPT-2 small's shape, labels= (the loss inside the model), dropout 0
+        import transformers as t
+        torch.manual_seed(0)
+        config = t.GPT2Config(n_positions=max(seq, 1024), use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0,
+                              attn_pdrop=0.0)
+        ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+        return t.GPT2LMHeadModel(config), (), {"input_ids": ids, "labels": ids}
     if name == "gpt2-hf":
         import transformers as t
         torch.manual_seed(0)
@@ -61,21 +72,36 @@ def profiler_growth(module, args, kwargs):
 
 def step_seconds(module, args, kwargs):
     module.zero_grad(set_to_none=True)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
     start = time.perf_counter()
     loss_of(module(*args, **kwargs)).backward()
+    sync()
     module.zero_grad(set_to_none=True)
     return time.perf_counter() - start
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="gpt-tiny", help="zoo preset, or gpt2-hf (transformers GPT-2 4x256, labels=)")
+    p.add_argument("--model", default="gpt-tiny", help="zoo preset, gpt2-hf (transformers GPT-2 4x256, labels=) "
+                   "or gpt2-124m (GPT-2 small's shape at --batch x --seq, labels=)")
+    p.add_argument("--batch", type=int, default=8, help="gpt2-124m only")
+    p.add_argument("--seq", type=int, default=1024, help="gpt2-124m only")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--full-ac", action="store_true", help="add full activation checkpointing (and fxmem at its peak)")
+    p.add_argument("--inners", default="aot_eager,inductor", help="fxmem's inner compilers to run")
     p.add_argument("--knapsack", default="0.5,0.2", help="torch.compile activation_memory_budget fractions")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--time-limit", type=float, default=5.0)
     a = p.parse_args()
-    model, args, kwargs = build(a.model)
+    model, args, kwargs = build(a.model, a.batch, a.seq)
+    model = model.to(a.device)
+    args = tuple(x.to(a.device) for x in args)
+    kwargs = {k: v.to(a.device) for k, v in kwargs.items()}
     configs = {"eager": copy.deepcopy(model)}
+    if a.full_ac:
+        from baselines import full_ac
+        configs["full checkpointing"] = full_ac(copy.deepcopy(model))
     torch._dynamo.reset()
     configs["torch.compile"] = torch.compile(copy.deepcopy(model))
     for fraction in [float(f) for f in a.knapsack.split(",")]:
@@ -86,11 +112,12 @@ def main():
     for name, module in list(configs.items()):
         step_seconds(module, args, kwargs)
     peaks = {name: measure_peak_bytes(m, args, kwargs) for name, m in configs.items()}
+    print("; ".join(f"{name}: {peak / MiB:.2f} MiB" for name, peak in peaks.items()), flush=True)
     for m in configs.values():
         m.zero_grad(set_to_none=True)
     predicted, refused = {}, {}
-    for name in [n for n in configs if n.startswith("torch.compile budget")]:
-        for inner in ("aot_eager", "inductor"):
+    for name in [n for n in configs if n.startswith("torch.compile budget") or n == "full checkpointing"]:
+        for inner in a.inners.split(","):
             label = f"fxmem {inner} at {name}'s peak"
             module = fxmem.optimize(copy.deepcopy(model), budget_gb=peaks[name] / 2**30, inner=inner,
                                     time_limit_s=a.time_limit)
@@ -106,21 +133,25 @@ def main():
                 step_seconds(module, args, kwargs)
             configs[label], predicted[label] = module, module.plan.predicted_peak_bytes
             peaks[label] = measure_peak_bytes(module, args, kwargs)
+            print(f"{label}: measured {peaks[label] / MiB:.2f} MiB, predicted {predicted[label] / MiB:.2f}", flush=True)
             module.zero_grad(set_to_none=True)
-    growth = {name: profiler_growth(m, args, kwargs) for name, m in configs.items()}
+    on_cpu = a.device == "cpu"
+    growth = {name: profiler_growth(m, args, kwargs) if on_cpu else None for name, m in configs.items()}
     times = {name: [] for name in configs}
     for _ in range(a.repeats):
         for name, module in configs.items():
             times[name].append(step_seconds(module, args, kwargs))
     base = statistics.median(times["torch.compile"])
-    rows = [[name, f"{peaks[name] / MiB:.2f}", f"{growth[name] / MiB:.2f}",
+    rows = [[name, f"{peaks[name] / MiB:.2f}", f"{growth[name] / MiB:.2f}" if on_cpu else "-",
              f"{predicted[name] / MiB:.2f}" if name in predicted else "-",
              f"{statistics.median(times[name]) * 1e3:.1f}", f"{statistics.median(times[name]) / base:.2f}"]
             for name in configs]
     rows += [[name, f"refused: least {least / MiB:.2f}", "-", "-", "-", "-"] for name, least in refused.items()]
-    print(tabulate(rows, headers=["", "measured peak MiB (MemTracker)", "growth MiB (profiler)", "predicted MiB",
+    meter = "MemTracker" if on_cpu else "max_memory_allocated"
+    print(tabulate(rows, headers=["", f"measured peak MiB ({meter})", "growth MiB (profiler)", "predicted MiB",
                                   "step ms (median)", "x torch.compile"]))
-    print(f"{a.model}; torch {torch.__version__}; load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    where = torch.cuda.get_device_name() if not on_cpu else "cpu"
+    print(f"{a.model}; {where}; torch {torch.__version__}; load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

@@ -10,12 +10,14 @@ traced (never chunked), against full checkpointing (transformers' `gradient_chec
 every zoo block checkpointed; non-reentrant) measured by MemTracker on fake tensors. With `--real`, the shape also runs for real on this machine:
 full checkpointing's measured peak, then `fxmem.optimize` at the least budget: its measured peak
 (MemTracker), the prediction's error, the chunk count, the largest gradient difference against eager
-and the step times (one run each). Prints a markdown table.
+and the step times (one run each); `--device cuda` plans and runs it on the GPU (peaks by
+`torch.cuda.max_memory_allocated`). Prints a markdown table.
 
 examples:
   python scripts/bench_floor.py --shapes 12x768x8x1024
   python scripts/bench_floor.py --shapes 6x384x2x1024 --real
   python scripts/bench_floor.py --attention --shapes 4x256x1x2048 --real
+  python scripts/bench_floor.py --shapes 12x768x8x1024 --real --device cuda --no-traced
 """
 from __future__ import annotations
 
@@ -112,8 +114,11 @@ def least_as_traced(case: Case, time_limit: float) -> int:
 
 
 def timed_step(module, case: Case) -> float:
+    sync = torch.cuda.synchronize if case.ids.is_cuda else (lambda: None)
+    sync()
     started = time.perf_counter()
     module(case.ids, **case.kwargs).backward()
+    sync()
     return time.perf_counter() - started
 
 
@@ -144,15 +149,17 @@ def real_row(case: Case, budget: int, full_ac_step) -> dict:
             "step s (full ckpt)": round(ac_seconds, 2)}
 
 
-def row(shape: str, real: bool, time_limit: float, attention: bool) -> dict:
-    case = Case(*(zoo_gpt(shape) if attention else gpt2(shape)), own_loss=attention)
+def row(shape: str, real: bool, time_limit: float, attention: bool, device: str = "cpu", traced: bool = True) -> dict:
+    model, ids = zoo_gpt(shape) if attention else gpt2(shape)
+    case = Case(model.to(device), ids.to(device), own_loss=attention)
     ac_step = case.step(full_ac(case.model))
     ac_fake = eager_peak_bytes(ac_step, (case.ids,), case.kwargs)
     budget, loss_chunks, attention_chunks, seconds = least(case, time_limit)
     out = {"shape": shape, "full ckpt, fake MemTracker (MiB)": ac_fake / MIB, "least budget (MiB)": budget / MIB,
            "least / full ckpt": f"{budget / ac_fake:.2f}", "chunks at least (loss, attention)":
            f"{loss_chunks}, {attention_chunks}", "planning s": round(seconds, 1),
-           "least, as traced (MiB)": least_as_traced(case, time_limit) / MIB}
+           "least, as traced (MiB)": least_as_traced(case, time_limit) / MIB if traced else "-"}
+    print(out, flush=True)
     if real:
         ac_real = measure_peak_bytes(ac_step, (case.ids,), case.kwargs, warmup=False)
         out |= {"full ckpt measured (MiB)": ac_real / MIB, "least / measured full ckpt": f"{budget / ac_real:.2f}"}
@@ -167,8 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=float, default=5.0)
     parser.add_argument("--attention", action="store_true",
                         help="the zoo GPT (naive attention, its own loss, vocab 256) instead of transformers' GPT-2")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda: where the model is planned and run")
+    parser.add_argument("--no-traced", action="store_true", help="skip the least with the graph as traced")
     args = parser.parse_args(argv)
-    rows = [row(shape, args.real, args.time_limit, args.attention) for shape in args.shapes]
+    rows = [row(shape, args.real, args.time_limit, args.attention, args.device, not args.no_traced)
+            for shape in args.shapes]
     rows = [{k: f"{v:,.1f}" if isinstance(v, float) else v for k, v in r.items()} for r in rows]
     print(tabulate(rows, headers="keys", tablefmt="github", disable_numparse=True))
     return 0

@@ -244,12 +244,14 @@ def _count_flops(node: torch.fx.Node) -> int:
 
 def estimate(gm: torch.fx.GraphModule, device: DeviceSpec | None = None,
              backward: set[torch.fx.Node] | frozenset[torch.fx.Node] = frozenset(),
-             timer: Callable[[torch.fx.Node], float | None] | None = None) -> CostTable:
+             timer: Callable[[torch.fx.Node], float | None] | None = None, fused: bool = False) -> CostTable:
     """Cost every call_function node of `gm`; `backward` names the joint graph's backward nodes,
     so a forward node read by one of them reports the bytes eager autograd would save for it.
     `timer(node)` gives a node's measured seconds (`fxmem.kernel_timer`), where it can; the
     device's roofline prices the rest. On a GPU `device`, an attention node on CPU tensors is priced
-    as the kernel the GPU runs for it (same FLOPs by PyTorch's formula; the math path's score traffic)."""
+    as the kernel the GPU runs for it (same FLOPs by PyTorch's formula; the math path's score traffic).
+    `fused` (the graph runs as Inductor's code): a pointwise op costs no time, being fused into the
+    kernel of its producer or consumer, so recomputing it costs no kernel and no memory traffic."""
     device = device or DEVICE_PRESETS["cpu"]
     table: dict[str, NodeCost] = {}
     for node in gm.graph.nodes:
@@ -259,7 +261,9 @@ def estimate(gm: torch.fx.GraphModule, device: DeviceSpec | None = None,
         view = is_view(node)
         out_bytes = 0 if view else sum({storage_key(t): storage_bytes(t) for t in outs}.values())
         flops, seconds, fallback, kernel = 0, 0.0, False, None
-        if not (view or node.target is operator.getitem):
+        if fused and is_pointwise(node):
+            pass  # no kernel of its own: no time, and its FLOPs are no matmul's
+        elif not (view or node.target is operator.getitem):
             in_bytes = sum(t.numel() * t.element_size() for n in node.all_input_nodes for t in tensors_of(n))
             flops = _count_flops(node)
             fallback = in_bytes + out_bytes > 0 and needs_fallback(node)
@@ -275,6 +279,11 @@ def estimate(gm: torch.fx.GraphModule, device: DeviceSpec | None = None,
         node.meta.setdefault("fxmem", {})["cost"] = cost
         table[node.name] = cost
     return CostTable(device, MappingProxyType(table))
+
+
+def is_pointwise(node: torch.fx.Node) -> bool:
+    """An aten op that torch tags pointwise (elementwise: Inductor fuses it with its neighbours)."""
+    return torch.Tag.pointwise in getattr(node.target, "tags", ())
 
 
 def _op_name(node: torch.fx.Node) -> str:

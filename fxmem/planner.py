@@ -217,7 +217,8 @@ class Planner:
         request = self.request
         split = split_joint(joint, self.num_fwd_outputs)
         timer = KernelTimer(_graph_device(joint)) if request.calibrate else None
-        costs = estimate(joint, request.device, backward=set(split.backward), timer=timer and timer.seconds)
+        costs = estimate(joint, request.device, backward=set(split.backward), timer=timer and timer.seconds,
+                         fused=request.inner == "inductor")
         self._price_copies(costs)
         self.allocator = AllocatorModel.for_device(request.device).holding(*request.held_bytes)
         lowered = build_problem(joint, split, costs, budget or 0, self.allocator, request.replay_random)

@@ -33,6 +33,21 @@ def test_flops_bytes_and_time():
     assert costs.total_flops() == sum(c.flops for c in costs.nodes.values()) > 3 * 2 * 16 * 64 * 128
 
 
+def test_fused_prices_pointwise_ops_at_no_time_and_keeps_their_bytes():
+    """Under Inductor a pointwise op runs inside a neighbour's kernel: recomputing it costs no time,
+    while what it saves for backward is unchanged and matmuls cost what they did."""
+    joint, num_fwd_outputs = joint_of(TwoLinears(), torch.randn(16, 64))
+    backward = set(split_joint(joint, num_fwd_outputs).backward)
+    eager = estimate(joint, DEVICE_PRESETS["cpu"], backward=backward)
+    fused = estimate(joint, DEVICE_PRESETS["cpu"], backward=backward, fused=True)
+    relu = next(name for name, c in eager.nodes.items() if c.op.startswith("relu"))
+    assert eager[relu].seconds > 0 and fused[relu].seconds == 0
+    assert fused[relu].saved_bytes == eager[relu].saved_bytes == 16 * 128 * 4
+    for name, c in eager.nodes.items():
+        if c.op.startswith(("addmm", "mm", "sum")):
+            assert fused[name].seconds == c.seconds and fused[name].flops == c.flops, name
+
+
 def test_device_presets():
     h100 = DeviceSpec.from_name("H100")
     assert h100.flop_rate(torch.bfloat16) > h100.flop_rate(torch.float32)

@@ -90,7 +90,7 @@ def main():
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--full-ac", action="store_true", help="add full activation checkpointing (and fxmem at its peak)")
     p.add_argument("--inners", default="aot_eager,inductor", help="fxmem's inner compilers to run")
-    p.add_argument("--knapsack", default="0.5,0.2", help="torch.compile activation_memory_budget fractions")
+    p.add_argument("--knapsack", default="0.5,0.2", help="torch.compile activation_memory_budget fractions (\"\" for none)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--time-limit", type=float, default=5.0)
     a = p.parse_args()
@@ -104,7 +104,7 @@ def main():
         configs["full checkpointing"] = full_ac(copy.deepcopy(model))
     torch._dynamo.reset()
     configs["torch.compile"] = torch.compile(copy.deepcopy(model))
-    for fraction in [float(f) for f in a.knapsack.split(",")]:
+    for fraction in [float(f) for f in a.knapsack.split(",") if f]:
         with torch._functorch.config.patch(activation_memory_budget=fraction):
             module = torch.compile(copy.deepcopy(model))
             step_seconds(module, args, kwargs)  # compiles under the patched budget

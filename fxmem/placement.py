@@ -5,17 +5,20 @@ units (`fxmem.units`: modules, opening containers and layer-list wrappers, so a 
 splits between its layers) on the devices and plans each device's region under its budget, recompute
 included, with the engine's planner. `PlacedModule` runs the regions one after another (model
 parallel in one process, no pipelining), moving what crosses a region boundary to the next device
-(`passes/devices.py`'s `to_device`). `place_plan` gives the keep-all placement of a plan, for
+(`passes/devices.py`'s `to_device`). The step is captured and planned where the model is before its
+regions move (the inputs are moved there for planning: the caller puts them where the first region runs). `place_plan` gives the keep-all placement of a plan, for
 reports: per unit, its parameters and their gradients plus the activations it saves for backward.
 Writes nothing to disk.
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any, Sequence
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 
 from fxmem.capture import flat_graph_inputs, structure_outputs
 from fxmem.cost import DEVICE_PRESETS, DeviceSpec
@@ -137,6 +140,7 @@ class PlacedModule(ModelWrapper):
     def _build(self, args: tuple, kwargs: dict) -> None:
         devices, budgets, given, device, solver, time_limit_s = self._setup
         model = self.fxmem_model
+        args, kwargs = planning_inputs(model, args, kwargs)  # planned where the model is, before any region moves
         request = PlanRequest(device=device, model=getattr(model, "display_name", type(model).__qualname__),
                               signature=signature_of(model, args, kwargs), solver=solver, time_limit_s=time_limit_s)
         eager, joint, gm = eager_plan_and_joint(model, args, kwargs, request)
@@ -156,6 +160,17 @@ class PlacedModule(ModelWrapper):
         object.__setattr__(self, "_regions", regions)
         object.__setattr__(self, "_runners", runners)
         object.__setattr__(self, "plan", _placed_plan(eager, units, regions))
+
+
+def planning_inputs(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The inputs, on the device of the model's parameters (and buffers) for planning: the regions are
+    captured and planned before they move to their devices, so the inputs (which the caller put where
+    the first region runs, e.g. CUDA ids for a CPU embedding) go to where the model still is."""
+    home = next(itertools.chain(model.parameters(), model.buffers()), None)
+    if home is None:
+        return args, kwargs
+    move = lambda t: t if t.device == home.device else t.to(home.device)  # noqa: E731
+    return pytree.tree_map_only(torch.Tensor, move, (tuple(args), dict(kwargs)))
 
 
 def _runner(region: Region) -> torch.nn.Module:

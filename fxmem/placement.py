@@ -21,7 +21,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from fxmem.capture import flat_graph_inputs, structure_outputs
-from fxmem.cost import DEVICE_PRESETS, DeviceSpec
+from fxmem.cost import DeviceSpec, preset_for
 from fxmem.engine import OptimizedModule, signature_of
 from fxmem.errors import InfeasibleBudgetError, PlanMismatchError
 from fxmem.pipeline import eager_plan_and_joint
@@ -117,7 +117,7 @@ class PlacedModule(ModelWrapper):
     recompute included; a region's parameters are moved to its device in place (they stay the model's)."""
 
     def __init__(self, model: torch.nn.Module, devices: Sequence[str], budgets: Sequence[int | None],
-                 plan: Plan | None, device: DeviceSpec, solver: str = "auto", time_limit_s: float = 10.0):
+                 plan: Plan | None, device: DeviceSpec | None, solver: str = "auto", time_limit_s: float = 10.0):
         super().__init__(model, _setup=(list(devices), list(budgets), plan, device, solver, time_limit_s),
                          _graph=None, _regions=[], _runners=[], plan=plan)
 
@@ -141,12 +141,14 @@ class PlacedModule(ModelWrapper):
         devices, budgets, given, device, solver, time_limit_s = self._setup
         model = self.fxmem_model
         args, kwargs = planning_inputs(model, args, kwargs)  # planned where the model is, before any region moves
-        request = PlanRequest(device=device, model=getattr(model, "display_name", type(model).__qualname__),
+        # each region priced as its device (the one given to optimize, else the device's own preset)
+        specs = {d: device if device is not None else preset_for(d) for d in devices}
+        request = PlanRequest(device=specs[devices[0]], model=getattr(model, "display_name", type(model).__qualname__),
                               signature=signature_of(model, args, kwargs), solver=solver, time_limit_s=time_limit_s)
         eager, joint, gm = eager_plan_and_joint(model, args, kwargs, request)
         units = price_units(model, args, kwargs, eager, joint, gm)
         fixed = _bounds_of(units, given) if given is not None and given.devices else None
-        regions = place_and_plan(units, RegionPlanner(units, args, kwargs, request), devices, budgets, fixed)
+        regions = place_and_plan(units, RegionPlanner(units, args, kwargs, request, specs), devices, budgets, fixed)
         runners = []
         for region in regions:
             if region.module is None:
@@ -155,7 +157,7 @@ class PlacedModule(ModelWrapper):
             for tensor in list(region.module.parameters()) + list(region.module.buffers()):
                 if tensor.device != torch.device(region.device):  # in place: they stay the model's tensors
                     tensor.data = tensor.data.to(region.device)
-            runners.append(_runner(region))
+            runners.append(_runner(region, specs[region.device]))
         object.__setattr__(self, "_graph", gm)
         object.__setattr__(self, "_regions", regions)
         object.__setattr__(self, "_runners", runners)
@@ -173,16 +175,15 @@ def planning_inputs(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[
     return pytree.tree_map_only(torch.Tensor, move, (tuple(args), dict(kwargs)))
 
 
-def _runner(region: Region) -> torch.nn.Module:
-    """The region's module running its plan (the engine's compiled step); as captured where nothing
-    in it takes a gradient."""
+def _runner(region: Region, spec: DeviceSpec) -> torch.nn.Module:
+    """The region's module running its plan (the engine's compiled step), priced as `spec`; as captured
+    where nothing in it takes a gradient."""
     module, plan = region.module, region.plan
     if plan is None:
         return module
     return OptimizedModule(module, lambda _, args, kwargs: PlanRequest(
         budget_bytes=plan.budget_bytes, plan=plan, model=type(module).__qualname__,
-        signature=signature_of(module, args, kwargs), device=DeviceSpec.from_name(plan.device)
-        if plan.device in DEVICE_PRESETS else DEVICE_PRESETS["cpu"]), loss_options=None, fixed_plan=True)
+        signature=signature_of(module, args, kwargs), device=spec), loss_options=None, fixed_plan=True)
 
 
 def _bounds_of(units: Units, plan: Plan) -> tuple[int, ...]:

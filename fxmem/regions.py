@@ -5,7 +5,8 @@ top-level ops), the keep-all step's seconds per unit (`fxmem.stage_costs.unit_co
 parameters each unit reads. A placement gives each device a contiguous run of units (a region, possibly
 empty); placements are tried fastest first (the least slowest region, keep-all seconds), and each
 region is planned by the engine's `plan_step` on its own module (the region's units; it takes the
-values crossing its first cut and returns those crossing its last) under its device's budget, with
+values crossing its first cut and returns those crossing its last) under its device's budget, priced
+as that device (a GPU's allocator holds its cuBLAS workspaces and rounds its blocks), with
 recompute where keeping everything does not fit. Placements that would read a parameter or buffer on
 two different devices (tied weights in the first and last units) are not tried: a tensor lives on one
 device. The first placement whose regions all fit is kept. When none does, the refusal names the least
@@ -16,13 +17,14 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
 from fxmem.capture import flat_graph_inputs
+from fxmem.cost import DeviceSpec
 from fxmem.engine import plan_step, signature_of
 from fxmem.errors import InfeasibleBudgetError, fmt_bytes, gb_at_least
 from fxmem.passes.devices import to_device
@@ -159,10 +161,12 @@ class RegionPlanner:
     """Plans regions of `units` (memoized by units and budget): `fit` returns the region's plan, or
     the least budget the planner names for it."""
 
-    def __init__(self, units: Units, args: tuple, kwargs: dict, request: PlanRequest):
+    def __init__(self, units: Units, args: tuple, kwargs: dict, request: PlanRequest,
+                 specs: Mapping[str, DeviceSpec] | None = None):
         self.units, self.args, self.kwargs, self.request = units, args, kwargs, request
+        self.specs = dict(specs or {})  # the device each device name is priced as (else the request's)
         self.cuts = crossing(units.gm, len(units.units))
-        self.done: dict[tuple[int, int, int | None], Plan | InfeasibleBudgetError | None] = {}
+        self.done: dict[tuple[int, int, int | None, DeviceSpec], Plan | InfeasibleBudgetError | None] = {}
         self.modules: dict[tuple[int, int], torch.fx.GraphModule] = {}
 
     def module(self, first: int, last: int) -> torch.fx.GraphModule:
@@ -184,11 +188,14 @@ class RegionPlanner:
             values.append(t.requires_grad_(node.name in self.units.grad_inputs))
         return values
 
-    def fit(self, first: int, last: int, budget: int | None) -> Plan | InfeasibleBudgetError | None:
-        key = (first, last, budget)
+    def fit(self, first: int, last: int, budget: int | None, device: str | None = None
+            ) -> Plan | InfeasibleBudgetError | None:
+        """The plan of units `first` .. `last` - 1 on `device` under `budget` (see the class)."""
+        spec = self.specs.get(device, self.request.device) if device is not None else self.request.device
+        key = (first, last, budget, spec)
         if key not in self.done:
             module, inputs = self.module(first, last), self.inputs(first)
-            request = PlanRequest(budget_bytes=budget, device=self.request.device, solver=self.request.solver,
+            request = PlanRequest(budget_bytes=budget, device=spec, solver=self.request.solver,
                                   time_limit_s=self.request.time_limit_s, model=type(module).__qualname__,
                                   signature=signature_of(module, inputs, {}))
             if not any(p.requires_grad for p in module.parameters()) and not any(
@@ -219,7 +226,7 @@ def place_and_plan(units: Units, planner: RegionPlanner, devices: Sequence[str],
         for k, device in enumerate(devices):
             region = Region(str(device), bounds[k], bounds[k + 1], budgets[k])
             if region.first < region.last:
-                made = planner.fit(region.first, region.last, region.budget)
+                made = planner.fit(region.first, region.last, region.budget, region.device)
                 if isinstance(made, InfeasibleBudgetError):
                     break
                 region.module, region.plan = planner.module(region.first, region.last), made
@@ -241,7 +248,7 @@ def least_refusal(units: Units, planner: RegionPlanner, devices: Sequence[str], 
             first, last = bounds[k], bounds[k + 1]
             if first == last:
                 continue
-            made = planner.fit(first, last, 1)  # its least, as the planner names it
+            made = planner.fit(first, last, 1, str(devices[k]))  # its least, as the planner names it
             need = made.min_budget_bytes if isinstance(made, InfeasibleBudgetError) else 0
             if need > worst:
                 worst, why = need, dict(made.breakdown) if isinstance(made, InfeasibleBudgetError) else {}

@@ -215,3 +215,23 @@ def test_llama_on_two_devices_recomputes_inside_each_region_at_six_tenths_of_eag
     assert all(p is not None for p in plans) and any(p.recompute for p in plans), "recompute inside a region"
     for k, peak in enumerate(_region_peaks(placed, (ids,), kwargs)):
         assert peak <= budget, f"device {k}: measured {peak} > budget {budget}"
+
+
+def test_each_region_is_priced_as_its_device(monkeypatch):
+    """Without target=, a region is planned for the device it runs on (a GPU's preset holds its cuBLAS
+    workspaces), not for the device the model was on when placed; here 'cpu:1' stands for an H100."""
+    from fxmem.cost import DEVICE_PRESETS
+
+    monkeypatch.setattr(fxmem.placement, "preset_for",
+                        lambda d: DEVICE_PRESETS["h100" if str(d) == "cpu:1" else "cpu"])
+    torch.manual_seed(0)
+    model, inputs = models.from_name("mlp-tiny"), models.example_inputs("mlp-tiny")
+    reference = copy.deepcopy(model)
+    placed = fxmem.optimize(model, budget_gb=1.0, devices=["cpu", "cpu:1"])
+    assert_trains_like(reference, placed, inputs)
+    first, second = placed.region_plans
+    assert (first.device, second.device) == ("cpu", "h100")
+    assert "BLAS workspaces" in second.breakdown and "BLAS workspaces" not in first.breakdown
+    given = fxmem.optimize(copy.deepcopy(reference), budget_gb=1.0, devices=["cpu", "cpu:1"], target="cpu")
+    given(*inputs)
+    assert [p.device for p in given.region_plans] == ["cpu", "cpu"], "target= prices every region"

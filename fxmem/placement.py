@@ -6,7 +6,8 @@ splits between its layers) on the devices and plans each device's region under i
 included, with the engine's planner. `PlacedModule` runs the regions one after another (model
 parallel in one process, no pipelining), moving what crosses a region boundary to the next device
 (`passes/devices.py`'s `to_device`). The step is captured and planned where the model is before its
-regions move (the inputs are moved there for planning: the caller puts them where the first region runs). `place_plan` gives the keep-all placement of a plan, for
+regions move (the inputs are moved there for planning: the caller puts them where the first region
+runs), each region priced as its device. `place_plan` gives the keep-all placement of a plan, for
 reports: per unit, its parameters and their gradients plus the activations it saves for backward.
 Writes nothing to disk.
 """

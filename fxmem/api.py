@@ -234,7 +234,8 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
         budgets = per_device_budgets(budget_gb, len(devices))
         if budgets is None:
             budgets = [e.budget_bytes for e in plan.devices] if plan is not None else [None] * len(devices)
-        return PlacedModule(model, devices, budgets, plan, device_spec(target or device, model=model), solver,
+        given = target or device  # else each region is priced as the device it runs on
+        return PlacedModule(model, devices, budgets, plan, device_spec(given) if given is not None else None, solver,
                             time_limit_s)
     if (budget_gb is None) == (plan is None) and policy is None:
         raise ValueError("pass exactly one of budget_gb= (plan at the first call) or plan= (a Plan made earlier)")

@@ -64,12 +64,16 @@ def _cuda_peak(device: torch.device, module: torch.nn.Module, inputs: Sequence[A
     """What `torch.cuda.max_memory_allocated` reports for the step (an out-of-memory error counts the
     same bytes), less only what the caller holds outside it (other models, optimizer state). cuBLAS
     workspaces are freed first, so that the step allocates them again and they count inside it;
-    unreachable objects (an earlier model in a reference cycle) are collected first."""
+    unreachable objects (an earlier model in a reference cycle) are collected first, and the blocks
+    the allocator caches are released: a request over 1 MiB takes the smallest cached block that
+    holds it and is counted whole when less than 1 MiB more would be left over, so a block cached
+    by earlier work (a 32 MiB workspace served from a block 0.9 MiB larger) would count in the step."""
     gc.collect()
     torch.cuda.synchronize(device)
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None:
         clear()
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     outside = torch.cuda.memory_allocated(device) - _resident_bytes(module, inputs, block=512)
     step(module, inputs, kwargs)

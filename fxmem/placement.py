@@ -5,20 +5,24 @@ units (`fxmem.units`: modules, opening containers and layer-list wrappers, so a 
 splits between its layers) on the devices and plans each device's region under its budget, recompute
 included, with the engine's planner. `PlacedModule` runs the regions one after another (model
 parallel in one process, no pipelining), moving what crosses a region boundary to the next device
-(`passes/devices.py`'s `to_device`). `place_plan` gives the keep-all placement of a plan, for
+(`passes/devices.py`'s `to_device`). The step is captured and planned where the model is before its
+regions move (the inputs are moved there for planning: the caller puts them where the first region
+runs), each region priced as its device. `place_plan` gives the keep-all placement of a plan, for
 reports: per unit, its parameters and their gradients plus the activations it saves for backward.
 Writes nothing to disk.
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any, Sequence
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 
 from fxmem.capture import flat_graph_inputs, structure_outputs
-from fxmem.cost import DEVICE_PRESETS, DeviceSpec
+from fxmem.cost import DeviceSpec, preset_for
 from fxmem.engine import OptimizedModule, signature_of
 from fxmem.errors import InfeasibleBudgetError, PlanMismatchError
 from fxmem.pipeline import eager_plan_and_joint
@@ -114,7 +118,7 @@ class PlacedModule(ModelWrapper):
     recompute included; a region's parameters are moved to its device in place (they stay the model's)."""
 
     def __init__(self, model: torch.nn.Module, devices: Sequence[str], budgets: Sequence[int | None],
-                 plan: Plan | None, device: DeviceSpec, solver: str = "auto", time_limit_s: float = 10.0):
+                 plan: Plan | None, device: DeviceSpec | None, solver: str = "auto", time_limit_s: float = 10.0):
         super().__init__(model, _setup=(list(devices), list(budgets), plan, device, solver, time_limit_s),
                          _graph=None, _regions=[], _runners=[], plan=plan)
 
@@ -137,12 +141,15 @@ class PlacedModule(ModelWrapper):
     def _build(self, args: tuple, kwargs: dict) -> None:
         devices, budgets, given, device, solver, time_limit_s = self._setup
         model = self.fxmem_model
-        request = PlanRequest(device=device, model=getattr(model, "display_name", type(model).__qualname__),
+        args, kwargs = planning_inputs(model, args, kwargs)  # planned where the model is, before any region moves
+        # each region priced as its device (the one given to optimize, else the device's own preset)
+        specs = {d: device if device is not None else preset_for(d) for d in devices}
+        request = PlanRequest(device=specs[devices[0]], model=getattr(model, "display_name", type(model).__qualname__),
                               signature=signature_of(model, args, kwargs), solver=solver, time_limit_s=time_limit_s)
         eager, joint, gm = eager_plan_and_joint(model, args, kwargs, request)
         units = price_units(model, args, kwargs, eager, joint, gm)
         fixed = _bounds_of(units, given) if given is not None and given.devices else None
-        regions = place_and_plan(units, RegionPlanner(units, args, kwargs, request), devices, budgets, fixed)
+        regions = place_and_plan(units, RegionPlanner(units, args, kwargs, request, specs), devices, budgets, fixed)
         runners = []
         for region in regions:
             if region.module is None:
@@ -151,23 +158,33 @@ class PlacedModule(ModelWrapper):
             for tensor in list(region.module.parameters()) + list(region.module.buffers()):
                 if tensor.device != torch.device(region.device):  # in place: they stay the model's tensors
                     tensor.data = tensor.data.to(region.device)
-            runners.append(_runner(region))
+            runners.append(_runner(region, specs[region.device]))
         object.__setattr__(self, "_graph", gm)
         object.__setattr__(self, "_regions", regions)
         object.__setattr__(self, "_runners", runners)
         object.__setattr__(self, "plan", _placed_plan(eager, units, regions))
 
 
-def _runner(region: Region) -> torch.nn.Module:
-    """The region's module running its plan (the engine's compiled step); as captured where nothing
-    in it takes a gradient."""
+def planning_inputs(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The inputs, on the device of the model's parameters (and buffers) for planning: the regions are
+    captured and planned before they move to their devices, so the inputs (which the caller put where
+    the first region runs, e.g. CUDA ids for a CPU embedding) go to where the model still is."""
+    home = next(itertools.chain(model.parameters(), model.buffers()), None)
+    if home is None:
+        return args, kwargs
+    move = lambda t: t if t.device == home.device else t.to(home.device)  # noqa: E731
+    return pytree.tree_map_only(torch.Tensor, move, (tuple(args), dict(kwargs)))
+
+
+def _runner(region: Region, spec: DeviceSpec) -> torch.nn.Module:
+    """The region's module running its plan (the engine's compiled step), priced as `spec`; as captured
+    where nothing in it takes a gradient."""
     module, plan = region.module, region.plan
     if plan is None:
         return module
     return OptimizedModule(module, lambda _, args, kwargs: PlanRequest(
         budget_bytes=plan.budget_bytes, plan=plan, model=type(module).__qualname__,
-        signature=signature_of(module, args, kwargs), device=DeviceSpec.from_name(plan.device)
-        if plan.device in DEVICE_PRESETS else DEVICE_PRESETS["cpu"]), loss_options=None, fixed_plan=True)
+        signature=signature_of(module, args, kwargs), device=spec), loss_options=None, fixed_plan=True)
 
 
 def _bounds_of(units: Units, plan: Plan) -> tuple[int, ...]:

@@ -176,7 +176,9 @@ class Planner:
                    offloaded: frozenset[int] = frozenset()) -> _Candidate:
         names = _saved_names(lowered, recompute)
         fw, bw = partition(joint, names, num_fwd_outputs=self.num_fwd_outputs, lazy=True)  # simulated, never run
-        replay_random_ops(fw, bw)  # as rng_pass will: the simulation sees the saved generator states
+        # as rng_pass will: the simulation sees the saved generator states, as on the device planned for (a
+        # GPU's: CUDA's seed and offset, on the host, not the 5056 bytes of a CPU generator where traced there)
+        replay_random_ops(fw, bw, for_gpu=self.request.device.gpu)
         fw, bw = self._offload(fw, bw, [lowered.nodes[i].name for i in sorted(offloaded)])
         return _Candidate(recompute, fw, bw, simulate_step(fw, bw, self.num_fwd_outputs, self.allocator),
                           frozenset(offloaded))

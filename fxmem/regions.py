@@ -5,22 +5,26 @@ top-level ops), the keep-all step's seconds per unit (`fxmem.stage_costs.unit_co
 parameters each unit reads. A placement gives each device a contiguous run of units (a region, possibly
 empty); placements are tried fastest first (the least slowest region, keep-all seconds), and each
 region is planned by the engine's `plan_step` on its own module (the region's units; it takes the
-values crossing its first cut and returns those crossing its last) under its device's budget, with
-recompute where keeping everything does not fit. The first placement whose regions all fit is kept.
-When none does, the refusal names the least budget per device found: over placements, the least of
-the largest least budget the planner names for their regions, so planning at it succeeds. Writes nothing.
+values crossing its first cut and returns those crossing its last) under its device's budget, priced
+as that device (a GPU's allocator holds its cuBLAS workspaces and rounds its blocks), with
+recompute where keeping everything does not fit. Placements that would read a parameter or buffer on
+two different devices (tied weights in the first and last units) are not tried: a tensor lives on one
+device. The first placement whose regions all fit is kept. When none does, the refusal names the least
+budget per device found: over placements, the least of the largest least budget the planner names for
+their regions, so planning at it succeeds. Writes nothing.
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
 from fxmem.capture import flat_graph_inputs
+from fxmem.cost import DeviceSpec
 from fxmem.engine import plan_step, signature_of
 from fxmem.errors import InfeasibleBudgetError, fmt_bytes, gb_at_least
 from fxmem.passes.devices import to_device
@@ -42,6 +46,7 @@ class Units:
     param_bytes: tuple[int, ...]  # parameters a unit is the first to read
     floor_bytes: tuple[int, ...]  # those parameters and the gradients of those that train: a region holds them
     grad_inputs: frozenset[str]  # captured-graph nodes whose value requires grad in the step
+    reads: tuple[frozenset[int], ...]  # ids of the parameters and buffers each unit reads
 
     @property
     def labels(self) -> tuple[str, ...]:
@@ -77,7 +82,43 @@ def price_units(model: torch.nn.Module, args: tuple, kwargs: dict, eager: Plan, 
         params[unit] += nbytes
         floor[unit] += nbytes * (2 if trains else 1)
     return Units(gm, tuple(units), tuple(f + b for f, b in zip(fwd, bwd)), tuple(params), tuple(floor),
-                 frozenset(_requiring_grad(gm, args, kwargs)))
+                 frozenset(_requiring_grad(gm, args, kwargs)), unit_reads(gm, len(units)))
+
+
+def unit_reads(gm: torch.fx.GraphModule, num_units: int) -> tuple[frozenset[int], ...]:
+    """Per unit, the ids of the parameters and buffers it reads: through get_attr nodes (export) or
+    the submodules it calls (symbolic_trace keeps `self.wte(idx)` as one call_module node)."""
+    reads: list[set[int]] = [set() for _ in range(num_units)]
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = getattr_path(gm, node.target)
+            if isinstance(value, torch.Tensor):
+                for user in node.users:
+                    if "unit" in user.meta.get("fxmem", {}):
+                        reads[user.meta["fxmem"]["unit"]].add(id(value))
+        elif node.op == "call_module" and "unit" in node.meta.get("fxmem", {}):
+            owner = gm.get_submodule(node.target)
+            reads[node.meta["fxmem"]["unit"]].update(id(t) for t in [*owner.parameters(), *owner.buffers()])
+    return tuple(frozenset(r) for r in reads)
+
+
+def same_device(a: str, b: str) -> bool:
+    """Whether two device names are one device ('cpu' and 'cpu:1' are; 'cuda' is 'cuda:0')."""
+    x, y = torch.device(a), torch.device(b)
+    return x.type == y.type and (x.type == "cpu" or (x.index or 0) == (y.index or 0))
+
+
+def keeps_shared_together(reads: Sequence[frozenset[int]], devices: Sequence[str], bounds: tuple[int, ...]) -> bool:
+    """Whether every parameter or buffer that several units read (`reads`, per unit; tied embeddings:
+    `lm_head.weight is wte.weight`) is read on one device only under the placement `bounds`: a tensor
+    lives on one device, and a region on another could not read it."""
+    home: dict[int, str] = {}
+    for k, device in enumerate(devices):
+        for u in range(bounds[k], bounds[k + 1]):
+            for tensor in reads[u]:
+                if not same_device(home.setdefault(tensor, device), device):
+                    return False
+    return True
 
 
 def getattr_path(gm: torch.nn.Module, target: str) -> Any:
@@ -120,10 +161,12 @@ class RegionPlanner:
     """Plans regions of `units` (memoized by units and budget): `fit` returns the region's plan, or
     the least budget the planner names for it."""
 
-    def __init__(self, units: Units, args: tuple, kwargs: dict, request: PlanRequest):
+    def __init__(self, units: Units, args: tuple, kwargs: dict, request: PlanRequest,
+                 specs: Mapping[str, DeviceSpec] | None = None):
         self.units, self.args, self.kwargs, self.request = units, args, kwargs, request
+        self.specs = dict(specs or {})  # the device each device name is priced as (else the request's)
         self.cuts = crossing(units.gm, len(units.units))
-        self.done: dict[tuple[int, int, int | None], Plan | InfeasibleBudgetError | None] = {}
+        self.done: dict[tuple[int, int, int | None, DeviceSpec], Plan | InfeasibleBudgetError | None] = {}
         self.modules: dict[tuple[int, int], torch.fx.GraphModule] = {}
 
     def module(self, first: int, last: int) -> torch.fx.GraphModule:
@@ -145,11 +188,14 @@ class RegionPlanner:
             values.append(t.requires_grad_(node.name in self.units.grad_inputs))
         return values
 
-    def fit(self, first: int, last: int, budget: int | None) -> Plan | InfeasibleBudgetError | None:
-        key = (first, last, budget)
+    def fit(self, first: int, last: int, budget: int | None, device: str | None = None
+            ) -> Plan | InfeasibleBudgetError | None:
+        """The plan of units `first` .. `last` - 1 on `device` under `budget` (see the class)."""
+        spec = self.specs.get(device, self.request.device) if device is not None else self.request.device
+        key = (first, last, budget, spec)
         if key not in self.done:
             module, inputs = self.module(first, last), self.inputs(first)
-            request = PlanRequest(budget_bytes=budget, device=self.request.device, solver=self.request.solver,
+            request = PlanRequest(budget_bytes=budget, device=spec, solver=self.request.solver,
                                   time_limit_s=self.request.time_limit_s, model=type(module).__qualname__,
                                   signature=signature_of(module, inputs, {}))
             if not any(p.requires_grad for p in module.parameters()) and not any(
@@ -170,7 +216,8 @@ def place_and_plan(units: Units, planner: RegionPlanner, devices: Sequence[str],
     per device found when none fits."""
     n = len(units.units)
     seconds = lambda bounds: max(sum(units.seconds[bounds[k]:bounds[k + 1]]) for k in range(len(devices)))  # noqa: E731
-    candidates = [fixed] if fixed is not None else sorted(placements(n, len(devices)), key=seconds)
+    candidates = [fixed] if fixed is not None else sorted(
+        (b for b in placements(n, len(devices)) if keeps_shared_together(units.reads, devices, b)), key=seconds)
     floor = lambda k, bounds: sum(units.floor_bytes[bounds[k]:bounds[k + 1]])  # noqa: E731
     for bounds in candidates:  # each region is planned once per budget, however many placements share it
         if any(b is not None and floor(k, bounds) > b for k, b in enumerate(budgets)):
@@ -179,7 +226,7 @@ def place_and_plan(units: Units, planner: RegionPlanner, devices: Sequence[str],
         for k, device in enumerate(devices):
             region = Region(str(device), bounds[k], bounds[k + 1], budgets[k])
             if region.first < region.last:
-                made = planner.fit(region.first, region.last, region.budget)
+                made = planner.fit(region.first, region.last, region.budget, region.device)
                 if isinstance(made, InfeasibleBudgetError):
                     break
                 region.module, region.plan = planner.module(region.first, region.last), made
@@ -201,7 +248,7 @@ def least_refusal(units: Units, planner: RegionPlanner, devices: Sequence[str], 
             first, last = bounds[k], bounds[k + 1]
             if first == last:
                 continue
-            made = planner.fit(first, last, 1)  # its least, as the planner names it
+            made = planner.fit(first, last, 1, str(devices[k]))  # its least, as the planner names it
             need = made.min_budget_bytes if isinstance(made, InfeasibleBudgetError) else 0
             if need > worst:
                 worst, why = need, dict(made.breakdown) if isinstance(made, InfeasibleBudgetError) else {}

@@ -122,7 +122,7 @@ def build_problem(joint: torch.fx.GraphModule, split: JointSplit, costs: CostTab
     walker.exclude = forward_keys - held
     walker.walk(list(split.tangents) + list(split.backward) + [output_node], "backward",
                 keep=held | grads)
-    base = _with_rng_states(walker.levels, split, step_of, replay_random, allocator)
+    base = _with_rng_states(walker.levels, split, step_of, replay_random, allocator, costs.device.gpu)
 
     bw_death = _storage_death(split.backward, step_of, lambda u: u in step_of)
     relevant = _needed_transitively(split.forward, step_of, num_fw)
@@ -153,12 +153,15 @@ def build_problem(joint: torch.fx.GraphModule, split: JointSplit, costs: CostTab
     return Lowered(problem, tuple(nodes), split.primals)
 
 
-def _with_rng_states(levels, split: JointSplit, step_of, replay_random: bool, allocator: AllocatorModel
-                     ) -> tuple[int, ...]:
+def _with_rng_states(levels, split: JointSplit, step_of, replay_random: bool, allocator: AllocatorModel,
+                     for_gpu: bool = False) -> tuple[int, ...]:
     """Levels with the generator state of every random op that may be recomputed held from the op
     to the end of the step: the state `passes/rng.py` saves is priced conservatively in the base,
     whether the plan keeps the op's output or recomputes it (5056 bytes per op on the CPU; a CUDA
-    state lives on the host and costs the device nothing)."""
+    state lives on the host and costs the device nothing, also where a step `for_gpu` was traced on
+    the CPU: it runs with CUDA's state)."""
+    if for_gpu:
+        return tuple(levels)
     levels = list(levels)
     for node in split.forward:
         random = torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())

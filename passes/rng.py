@@ -81,10 +81,13 @@ def tag_replayed(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> list[tor
     return recomputed
 
 
-def replay_random_ops(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, torch_ops: bool = False) -> int:
+def replay_random_ops(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, torch_ops: bool = False,
+                      for_gpu: bool = False) -> int:
     """Rewrite the random ops backward recomputes; returns how many. With `torch_ops`, through torch's
     `run_and_save_rng_state` / `run_with_rng_state` higher-order ops (Inductor runs them as fallback
-    kernels; a plain function is not an op it can lower), else through this module's functions."""
+    kernels; a plain function is not an op it can lower), else through this module's functions.
+    `for_gpu`: the graphs are simulated for a GPU, so each saved state is CUDA's (on the host) even
+    where they were traced on the CPU, whose generator state would be 5056 bytes on the device."""
     save, replay_op = (rng_prims.run_and_save_rng_state, rng_prims.run_with_rng_state) if torch_ops \
         else (run_and_save_rng_state, run_with_rng_state)
     recomputed = tag_replayed(fw, bw)
@@ -103,7 +106,7 @@ def replay_random_ops(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, torch_
         sizes += 1
     saved, saved_sizes = outputs[:len(outputs) - sizes], outputs[len(outputs) - sizes:]
     for copy in recomputed:
-        state = _save_state(fw, forward[copy.name], save)
+        state = _save_state(fw, forward[copy.name], save, for_gpu)
         saved.append(state)
         where = bw.graph.inserting_before(tangents[0]) if tangents else bw.graph.inserting_after(placeholders[-1])
         with where:
@@ -127,22 +130,24 @@ def _is_size(value: Any) -> bool:
     return isinstance(value, torch.fx.Node) and isinstance(value.meta.get("val"), (torch.SymInt, int))
 
 
-def _save_state(fw: torch.fx.GraphModule, node: torch.fx.Node, save: Any) -> torch.fx.Node:
-    """Run forward's `node` through `save` (run_and_save_rng_state); returns the node of the saved state."""
+def _save_state(fw: torch.fx.GraphModule, node: torch.fx.Node, save: Any, for_gpu: bool = False) -> torch.fx.Node:
+    """Run forward's `node` through `save` (run_and_save_rng_state); returns the node of the saved state
+    (with `for_gpu`, CUDA's state wherever the graph was traced)."""
     value = node.meta["val"]
     fake = next(v for v in torch.utils._pytree.tree_leaves(value) if isinstance(v, torch.Tensor))
+    device = torch.device("cuda") if for_gpu else fake.device
     if hasattr(fake, "fake_mode"):
         with fake.fake_mode:
-            state_val = torch.empty(_state_bytes(fake.device), dtype=torch.uint8)
+            state_val = torch.empty(_state_bytes(device), dtype=torch.uint8)
     else:
-        state_val = torch.empty(_state_bytes(fake.device), dtype=torch.uint8)
+        state_val = torch.empty(_state_bytes(device), dtype=torch.uint8)
     with fw.graph.inserting_before(node):
         pair = fw.graph.call_function(save, (node.target, *node.args), dict(node.kwargs))
         state = fw.graph.create_node("call_function", operator.getitem, (pair, 0), name=f"{node.name}_rng_state")
         out = fw.graph.call_function(operator.getitem, (pair, 1))
     pair.meta = {**node.meta, "val": (state_val, value)}
     state.meta = {"val": state_val}
-    if fake.device.type != "cpu":  # CUDA's state is a host tensor: no device bytes
+    if device.type != "cpu":  # CUDA's state is a host tensor: no device bytes
         state.meta["fxmem"] = {"host": True}
     out.meta = dict(node.meta)
     node.replace_all_uses_with(out)

@@ -108,11 +108,55 @@ def test_tight_budget_splits_and_too_small_refuses():
         fxmem.optimize(model, budget_gb=[1.0], devices=["cpu", "cpu"])
 
 
+def _untied(model):
+    """The GPT with its own lm_head weight (a copy of the tied embedding's)."""
+    model.lm_head.weight = torch.nn.Parameter(model.wte.weight.detach().clone())
+    return model
+
+
+def _placements_allowed(model, inputs, devices):
+    """The units' labels, and the placements on `devices` that read no tensor on two devices."""
+    from fxmem.passes.shard import tag_units
+    from fxmem.regions import keeps_shared_together, placements, unit_reads
+
+    gm = fxmem.capture(model, inputs)
+    labels = [u.label for u in tag_units(gm, model)]
+    reads = unit_reads(gm, len(labels))
+    return labels, [b for b in placements(len(labels), len(devices)) if keeps_shared_together(reads, devices, b)]
+
+
+def test_tied_weights_keep_their_readers_on_one_device():
+    """GPT's lm_head reads the embedding's weight: on two devices, no placement splits its readers (a tensor
+    lives on one device); regions on one device share it, and untied, the model splits anywhere."""
+    torch.manual_seed(0)
+    model, inputs = models.from_name("gpt-tiny"), models.example_inputs("gpt-tiny")
+    labels, allowed = _placements_allowed(model, inputs, ["cuda:0", "cpu"])  # nothing runs: no GPU needed
+    n, wte, head = len(labels), labels.index("wte"), labels.index("lm_head")
+    assert allowed and all((wte < cut) == (head < cut) for _, cut, _ in allowed)
+    assert {(0, 0, n), (0, n, n)} <= set(allowed), "everything on one device or the other"
+    assert len(_placements_allowed(model, inputs, ["cpu", "cpu:1"])[1]) == n + 1
+    assert len(_placements_allowed(_untied(model), inputs, ["cuda:0", "cpu"])[1]) == n + 1
+
+
+def test_planning_inputs_go_where_the_model_is():
+    """A placed model is planned before its regions move: the inputs, wherever the caller put them, are
+    planned on the device of the model's parameters (here the meta device stands for a second one)."""
+    from fxmem.placement import planning_inputs
+
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    with torch.device("meta"):
+        model = torch.nn.Embedding(10, 4)
+    (moved,), kwargs = planning_inputs(model, (ids,), {"mask": ids, "n": 3})
+    assert moved.device.type == "meta" and kwargs["mask"].device.type == "meta" and kwargs["n"] == 3
+    assert planning_inputs(torch.nn.Embedding(10, 4), (ids,), {})[0][0] is ids, "already there: not copied"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA for a second device")
 def test_placed_across_cuda_and_cpu_trains_like_eager():
     torch.manual_seed(0)
-    # No dropout: CPU and CUDA draw different random numbers.
-    model, inputs = models.from_name("gpt-tiny", dropout=0.0), models.example_inputs("gpt-tiny")
+    # No dropout: CPU and CUDA draw different random numbers. Untied: a tied embedding and lm_head keep the
+    # whole GPT on one device (test_tied_weights_keep_their_readers_on_one_device).
+    model, inputs = _untied(models.from_name("gpt-tiny", dropout=0.0)), models.example_inputs("gpt-tiny")
     reference = copy.deepcopy(model).cuda()
     placed = fxmem.optimize(model, budget_gb=1.0, devices=["cuda:0", "cpu"])
     cuda_inputs = [x.cuda() for x in inputs]
@@ -171,3 +215,23 @@ def test_llama_on_two_devices_recomputes_inside_each_region_at_six_tenths_of_eag
     assert all(p is not None for p in plans) and any(p.recompute for p in plans), "recompute inside a region"
     for k, peak in enumerate(_region_peaks(placed, (ids,), kwargs)):
         assert peak <= budget, f"device {k}: measured {peak} > budget {budget}"
+
+
+def test_each_region_is_priced_as_its_device(monkeypatch):
+    """Without target=, a region is planned for the device it runs on (a GPU's preset holds its cuBLAS
+    workspaces), not for the device the model was on when placed; here 'cpu:1' stands for an H100."""
+    from fxmem.cost import DEVICE_PRESETS
+
+    monkeypatch.setattr(fxmem.placement, "preset_for",
+                        lambda d: DEVICE_PRESETS["h100" if str(d) == "cpu:1" else "cpu"])
+    torch.manual_seed(0)
+    model, inputs = models.from_name("mlp-tiny"), models.example_inputs("mlp-tiny")
+    reference = copy.deepcopy(model)
+    placed = fxmem.optimize(model, budget_gb=1.0, devices=["cpu", "cpu:1"])
+    assert_trains_like(reference, placed, inputs)
+    first, second = placed.region_plans
+    assert (first.device, second.device) == ("cpu", "h100")
+    assert "BLAS workspaces" in second.breakdown and "BLAS workspaces" not in first.breakdown
+    given = fxmem.optimize(copy.deepcopy(reference), budget_gb=1.0, devices=["cpu", "cpu:1"], target="cpu")
+    given(*inputs)
+    assert [p.device for p in given.region_plans] == ["cpu", "cpu"], "target= prices every region"

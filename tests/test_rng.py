@@ -3,6 +3,7 @@ eager's, so training is bit-identical, and the generator ends the step where eag
 from __future__ import annotations
 
 import copy
+import operator
 
 import pytest
 import torch
@@ -148,3 +149,27 @@ def test_gpt_with_dropout_below_least_keeping_masks(replays):
     saves, replayed = replays[-1]
     assert saves == replayed > 0
     assert measure_peak_bytes(optimized, inputs) <= budget
+
+
+def test_states_simulated_for_a_gpu_are_cudas_wherever_traced(monkeypatch):
+    """The candidates the planner simulates save each recomputed dropout's generator state as on the device
+    planned for: on the CPU its 5056 bytes on the device; for a GPU, from the same graph traced on the CPU,
+    CUDA's seed and offset on the host. (A model with CPU weights and the same model on meta, traced on CUDA
+    where the machine has a GPU, then name the same least budget for the h100.)"""
+    from fxmem.memory import on_host, tensors_of
+
+    states = []
+    replay = fxmem.planner.replay_random_ops
+
+    def seeing(fw, bw, *args, **kwargs):
+        count = replay(fw, bw, *args, **kwargs)
+        states.extend(n for n in fw.graph.nodes if n.target is operator.getitem and n.name.endswith("_rng_state"))
+        return count
+
+    monkeypatch.setattr(fxmem.planner, "replay_random_ops", seeing)
+    model, inputs = _cnn()
+    for target, host, nbytes in (("cpu", False, torch.get_rng_state().numel()), ("h100", True, 16)):
+        states.clear()
+        with pytest.raises(fxmem.InfeasibleBudgetError):  # the least budget's search recomputes dropouts
+            fxmem.plan(model, inputs, budget_gb=1e-6, target=target, time_limit_s=1)
+        assert states and all(on_host(s) == host and tensors_of(s)[0].numel() == nbytes for s in states), target

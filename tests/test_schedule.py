@@ -6,7 +6,7 @@ import operator
 import torch
 from torch._functorch.partitioners import default_partition
 
-from fxmem.cost import estimate, is_view
+from fxmem.cost import DEVICE_PRESETS, estimate, is_view
 from fxmem.memory import storages_of
 from fxmem.problem import eager_decision, saved_set
 from fxmem.schedule import build_problem, split_joint
@@ -68,3 +68,18 @@ def test_attention_without_dropout_is_recomputable_and_with_dropout_only_replaye
     assert all(can_recompute(n, replay=False) for n in joint_nodes(0.0))
     assert not any(can_recompute(n, replay=False) for n in joint_nodes(0.5))
     assert all(can_recompute(n) for n in joint_nodes(0.5))  # replayed with its generator state
+
+
+def test_generator_states_in_the_base_are_the_devices_planned_for():
+    """Each dropout that may be recomputed holds its generator state from the op on: the CPU's 5056 bytes on a
+    CPU, nothing on a GPU (CUDA's state lives on the host), also where the graph was traced on the CPU."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.2), torch.nn.Linear(32, 32),
+                                torch.nn.Dropout(0.2), torch.nn.Linear(32, 4))
+    joint, num_fwd_outputs = joint_of(model, torch.randn(8, 16))
+    split = split_joint(joint, num_fwd_outputs)
+    assert next(iter(joint.graph.find_nodes(op="placeholder"))).meta["val"].device.type == "cpu"
+    base = {name: build_problem(joint, split, estimate(joint, DEVICE_PRESETS[name]), 0).problem.base
+            for name in ("cpu", "h100")}
+    added = [c - g for c, g in zip(base["cpu"], base["h100"])]
+    assert added[-1] == 2 * torch.get_rng_state().numel() and min(added) == 0

@@ -2,8 +2,8 @@
 
 Reads a `MemoryProblem`, decisions (sets of recomputed candidates) and a `simulate` callable that
 turns a decision into a candidate with `.recompute`, `.offloaded` and `.timeline.peak` (the planner
-extracts and simulates the forward and backward graphs); returns candidates. Writes nothing but a
-per-process memo of the lowest decision found per problem.
+extracts and simulates the forward and backward graphs); returns candidates. Writes nothing but
+per-process memos: the lowest decision found per problem, and the solvers' answers (`solved`).
 
 The solvers count every value recomputed for one backward step as alive at once; the rewritten
 graphs make them one after another (`fxmem.solve.recompute.phases`). So a solver's decision leaves
@@ -37,6 +37,7 @@ MEMO_SIZE = 64
 # time-limited, so a budget named as the least by one call must not be refused by the next one on a
 # busier machine.
 _LOWEST_FOUND: dict[tuple, frozenset[int]] = {}
+_SOLVED: dict[tuple, Solution] = {}  # (solve, problem, solver, time limit) -> its answer
 
 
 def lowest(problem: MemoryProblem, least: frozenset[int], simulate: Simulate, time_limit_s: float,
@@ -71,6 +72,19 @@ def lowest(problem: MemoryProblem, least: frozenset[int], simulate: Simulate, ti
         _LOWEST_FOUND.pop(next(iter(_LOWEST_FOUND)))
     _LOWEST_FOUND[key] = best.recompute
     return best
+
+
+def solved(solve: Callable[[MemoryProblem, str, float], Solution], problem: MemoryProblem, solver: str,
+           time_limit_s: float) -> Solution:
+    """`solve(problem, solver, time_limit_s)`, or its answer to the same question (the same problem and
+    budget) asked before in this process: a step planned again at the same budget (`fxmem.plan`, then
+    `fxmem.optimize`) gets the decision it got, instead of one more solve to its time limit."""
+    key = (solve, problem, solver, time_limit_s)
+    if key not in _SOLVED:
+        if len(_SOLVED) >= MEMO_SIZE:
+            _SOLVED.pop(next(iter(_SOLVED)))
+        _SOLVED[key] = solve(problem, solver, time_limit_s)
+    return _SOLVED[key]
 
 
 def spend_slack(problem: MemoryProblem, candidate, solution: Solution, budget: int, simulate: Simulate,

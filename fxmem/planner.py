@@ -22,7 +22,7 @@ import torch.fx
 
 from fxmem.cost import DEVICE_PRESETS, HOST_LINKS, CostTable, DeviceSpec, estimate
 from fxmem.errors import InfeasibleBudgetError, fmt_bytes
-from fxmem.fitting import lowest, spend_slack
+from fxmem.fitting import lowest, solved, spend_slack
 from fxmem.kernel_timer import KernelTimer
 from fxmem.margin import margin_for
 from fxmem.memory import (
@@ -348,7 +348,7 @@ class Planner:
         for _ in range(MAX_TIGHTENINGS):
             if target <= 0:
                 break
-            solution = solve(dataclasses.replace(problem, budget=target), self.request.solver, time_limit_s)
+            solution = solved(solve, dataclasses.replace(problem, budget=target), self.request.solver, time_limit_s)
             if solution.status == "infeasible":
                 break
             candidate = simulate(solution.recompute, solution.offloaded)

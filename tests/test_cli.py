@@ -1,5 +1,6 @@
-"""fxmem-plan driven as a user would: a subprocess for a plan and for an error (exit codes, messages,
-files), main(argv) in-process for the rest (the same code, without starting Python again)."""
+"""fxmem-plan driven as a user would: a subprocess for a plan (exit code, messages, files) and for what
+must not run in the test's process (imports, a model too large to build), main(argv) in-process for the
+rest, errors included (the same code, without starting Python and importing torch again)."""
 from __future__ import annotations
 
 import copy
@@ -57,10 +58,10 @@ def test_plan_saves_json_and_png_that_optimize_reads(tmp_path):
     assert_trains_like(copy.deepcopy(model), fxmem.optimize(model, plan=plan), models.example_inputs("mlp-tiny", 512))
 
 
-def test_infeasible_budget_is_one_clear_message():
-    result = run("mlp-tiny", "--budget-gb", "0.00001", "--time-limit", "1", "--solver", "greedy")
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    message = result.stderr.strip().splitlines()[-1]
+def test_infeasible_budget_is_one_clear_message(capsys):
+    code, _, err = cli(capsys, "mlp-tiny", "--budget-gb", "0.00001", "--time-limit", "1", "--solver", "greedy")
+    assert code == 2 and "Traceback" not in err
+    message = err.strip().splitlines()[-1]
     assert message.startswith("fxmem-plan: budget 10.5 KiB is below the minimum feasible budget")
     assert "gradients" in message and "smallest activation set" in message and "--budget-gb 0.000" in message
 
@@ -74,7 +75,7 @@ def test_budget_that_is_not_a_positive_finite_number_is_one_line(budget):
                                           "step with nothing recomputed"]
 
 
-def test_incomplete_plan_file_is_named_by_check(tmp_path):
+def test_incomplete_plan_file_is_named_by_check(tmp_path, capsys):
     path = tmp_path / "plan.json"
     assert main(["mlp-tiny", "--budget-gb", "1", "--quiet", "--out", str(path)]) == 0
     data = json.loads(path.read_text())
@@ -82,9 +83,10 @@ def test_incomplete_plan_file_is_named_by_check(tmp_path):
     path.write_text(json.dumps(data))
     with pytest.raises(fxmem.PlanMismatchError, match="lacks budget_bytes, solver"):
         fxmem.Plan.load(path)
-    result = run("mlp-tiny", "--check", str(path))
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.splitlines() == [f"fxmem-plan: {path} is an incomplete plan file: it lacks budget_bytes, "
+    capsys.readouterr()
+    code, _, err = cli(capsys, "mlp-tiny", "--check", str(path))
+    assert code == 2 and "Traceback" not in err
+    assert err.splitlines() == [f"fxmem-plan: {path} is an incomplete plan file: it lacks budget_bytes, "
                                           "solver; make the plan again with fxmem.plan(...) or fxmem-plan --out"]
 
 

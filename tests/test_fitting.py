@@ -84,3 +84,26 @@ def test_the_cheaper_of_the_solvers_and_the_least_route_is_kept(monkeypatch, bou
     optimized = fxmem.optimize(model, plan=plan)
     assert measure_peak_bytes(optimized, inputs) <= budget
     assert_trains_like(_gpt()[0], optimized, inputs)
+
+
+def test_a_solve_asked_again_is_answered_from_memory(monkeypatch):
+    """`solved`: the same problem, budget, solver and time limit solved once per process; any other asks again."""
+    from dataclasses import replace
+
+    from fxmem.solve.recompute import solve
+    from tests.test_solve import NAMED
+
+    monkeypatch.setattr(fxmem.fitting, "_SOLVED", {})
+    asked = []
+
+    def counted(problem, solver, limit):
+        asked.append((problem.budget, limit))
+        return solve(problem, solver, limit)
+
+    problem = NAMED["chain6"]
+    first = fxmem.fitting.solved(counted, problem, "greedy", 0.5)
+    assert fxmem.fitting.solved(counted, problem, "greedy", 0.5) is first and len(asked) == 1
+    fxmem.fitting.solved(counted, replace(problem, budget=problem.budget + 1), "greedy", 0.5)
+    fxmem.fitting.solved(counted, problem, "greedy", 1.0)
+    fxmem.fitting.solved(solve, problem, "greedy", 0.5)  # another solve function (a test's patch) is its own
+    assert asked == [(problem.budget, 0.5), (problem.budget + 1, 0.5), (problem.budget, 1.0)]

@@ -3,6 +3,7 @@ above the true least peak, the least peak is proven only when it is the least, a
 which of the two it gives."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -11,6 +12,7 @@ from fxmem.errors import InfeasibleBudgetError
 from fxmem.problem import peak_bytes, violations
 from fxmem.solve.recompute.bound import peak_lower_bound
 from fxmem.solve.recompute.brute import brute_min_peak
+from fxmem.solve.recompute import least
 from fxmem.solve.recompute.least import least_peak
 from tests.test_solve import NAMED, random_problem
 
@@ -37,10 +39,31 @@ def test_bound_never_above_the_least_peak_and_proofs_are_true():
     assert tight, "the bound is reached on some instances"
 
 
-def test_every_limit_returns_a_decision():
+def test_every_limit_returns_a_decision(monkeypatch):
+    monkeypatch.setattr(least, "_FOUND", {})  # searched now, not remembered from the test above
     problem = next(p for p in _problems() if brute_min_peak(p) is not None)
     found = least_peak(problem, 1e-3)
     assert not violations(problem, found.recompute)
+
+
+def test_an_answer_is_given_again_at_any_budget_unless_a_longer_search_may_improve_it(monkeypatch):
+    monkeypatch.setattr(least, "_FOUND", {})
+    searches, proven, search = [], [False], least._search
+
+    def counted(problem, limit):
+        searches.append(limit)
+        return dataclasses.replace(search(problem, limit), proven=proven[0])
+
+    monkeypatch.setattr(least, "_search", counted)
+    problem = NAMED["diamonds3"]
+    first = least_peak(problem, 0.5)
+    assert first.peak == peak_bytes(problem, first.recompute) and not violations(problem, first.recompute)
+    assert least_peak(dataclasses.replace(problem, budget=problem.budget + 1), 0.5) is first  # budget ignored
+    assert least_peak(problem, 0.1) is first and searches == [0.5]
+    least_peak(problem, 1.0)  # a longer search may find a lower peak
+    proven[0] = True
+    least_peak(problem, 2.0)
+    assert least_peak(problem, 5.0).proven and searches == [0.5, 1.0, 2.0]  # a proven least stands
 
 
 def test_refusal_says_minimum_only_when_proven():

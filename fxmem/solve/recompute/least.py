@@ -9,11 +9,16 @@ the graph has them, then CP-SAT seeded with the best so far, in its
 deterministic mode (the same decision every run: decisions of equal peak can simulate differently),
 and on graphs of up to `EXACT_CANDIDATES` candidates the exact time-indexed program, to prove it.
 The answer is proven when the exact program proves it or when it meets `peak_lower_bound`.
+
+Writes nothing but a per-process memo of the answers: the least peak ignores the budget, and a
+planner asks for the same problem's least at every budget below what its solvers fit (and a refusal
+names it before the caller plans at it); an answer is given again for a time limit no longer than
+the one it was searched with, or whatever the limit once it is proven.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fxmem.problem import MemoryProblem, is_valid, peak_bytes, recompute_cost
 from fxmem.solve.recompute.bound import peak_lower_bound
@@ -26,6 +31,8 @@ from fxmem.solve.recompute.layers import find_layers
 
 EXACT_CANDIDATES = 200
 GREEDY_MIN_S = 1.0  # the greedy descent gets this long however short the limit: it stops at its local minimum
+MEMO_SIZE = 64
+_FOUND: dict[MemoryProblem, tuple[float, "LeastPeak"]] = {}  # problem (budget 0) -> (time limit, answer)
 
 
 @dataclass(frozen=True)
@@ -47,8 +54,21 @@ class LeastPeak:
 
 def least_peak(problem: MemoryProblem, time_limit_s: float = 10.0) -> LeastPeak:
     """The least peak found within about `time_limit_s` seconds, or `GREEDY_MIN_S` if that is longer
-    (see the module docstring).
+    (see the module docstring); the answer found before in this process for this problem, whatever
+    its budget, when that search had at least as long or proved its answer.
     Raises ValueError when no decision is valid at all."""
+    key = replace(problem, budget=0)
+    known = _FOUND.get(key)
+    if known is not None and (known[1].proven or known[0] >= time_limit_s):
+        return known[1]
+    found = _search(problem, time_limit_s)
+    if len(_FOUND) >= MEMO_SIZE and key not in _FOUND:
+        _FOUND.pop(next(iter(_FOUND)))
+    _FOUND[key] = (time_limit_s, found)
+    return found
+
+
+def _search(problem: MemoryProblem, time_limit_s: float) -> LeastPeak:
     deadline = time.perf_counter() + time_limit_s
     left = lambda: max(0.01, deadline - time.perf_counter())  # noqa: E731
     bound = peak_lower_bound(problem)

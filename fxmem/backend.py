@@ -13,7 +13,9 @@ Budget across graph breaks: one `torch.compile(...)` call has one ledger (`fxmem
 of a step is planned for the whole `budget_gb`, with what the rest of the step holds while its
 forward and its backward run (other graphs' parameters and saved values, the tensors passed
 between graphs, later graphs' gradients) added to its simulated memory, so each graph's predicted
-peak is the step's peak while it runs. A recompilation of a frame replaces that frame's entry.
+peak is the step's peak while it runs. A recompilation of a frame replaces that frame's entry and,
+where the step's graphs share the budget (`fxmem.graph_budget`), keeps to the share of the graph it
+replaces.
 Reads nothing from disk; writes the plans to `plan_out` (one file per graph: `<stem>.<k>.json`) when asked.
 """
 from __future__ import annotations
@@ -32,7 +34,7 @@ from fxmem.capture import describe_input
 from fxmem.cost import DeviceSpec, preset_for
 from fxmem.error_boundary import for_dynamo
 from fxmem.errors import GIB, InfeasibleBudgetError, TraceError
-from fxmem.graph_budget import saved_cap
+from fxmem.graph_budget import least_plan, saved_cap
 from fxmem.inductor_step import INNERS, compile_with_partitioner, has_cxx_compiler, replays_random
 from fxmem.ledger import GraphRecord, Ledger
 from fxmem.plan import Plan
@@ -124,11 +126,15 @@ class _RecordingPlanner(Planner):
         keeps no more for backward than leaves every later graph room for its least plan (the budget
         tightened until it does, else this graph's least plan)."""
         shares = self.ledger.shares
-        index = self.record.index
-        if not shares or index >= len(shares) or shares[index].plan.fingerprint != fingerprint:
+        index = self.ledger.position(self.record)  # a recompiled frame: the graph it replaces
+        if not shares or index >= len(shares):
             return super()._make_plan(joint, fingerprint)
         budget, earlier = self.request.budget_bytes, self.ledger.earlier_saved(self.record)
         least = shares[index]
+        if least.plan.fingerprint != fingerprint:  # recompiled (its inputs in another order): its own least
+            plan, _ = least_plan(self, joint, fingerprint)
+            least = dataclasses.replace(least, plan=plan, peak=plan.predicted_peak_bytes - earlier,
+                                        saved=plan.saved_bytes)
         if least.runs > 1:  # a loop's graph, run once per layer: each run at its least (fxmem.graph_budget)
             return dataclasses.replace(least.plan, budget_bytes=budget, capture=self.request.capture,
                                        predicted_peak_bytes=least.peak + earlier + (least.runs - 1) * least.saved)

@@ -73,15 +73,22 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad = (grad * row_scale[start:stop].unsqueeze(1)).to(mm_dtype)
             if want_hidden:
                 grad_hidden.append((grad @ w).to(hidden.dtype))
-            if want_weight:  # one weight-sized sum alive besides the one made: addmm where the dtypes allow,
-                if grad_weight is None:  # else the chunk's product added in place (no fp32 copy of it)
-                    grad_weight = (grad.t() @ h).to(acc_dtype)
-                elif acc_dtype == mm_dtype:
-                    grad_weight = torch.addmm(grad_weight, grad.t(), h)
+            # The weight gradient: one weight-sized sum alive besides the one made (addmm where the dtypes
+            # allow). 16-bit operands on the CPU are upcast and multiplied into the fp32 sum in place: exact
+            # products summed in fp32, as eager's one matmul over every token sums them. On a GPU the 16-bit
+            # matmul keeps its speed (tensor cores): its product is rounded to 16 bits chunk by chunk, then
+            # added into the fp32 sum in place.
+            if want_weight:
+                if acc_dtype == mm_dtype:
+                    grad_weight = grad.t() @ h if grad_weight is None else torch.addmm(grad_weight, grad.t(), h)
+                elif hidden.device.type == "cpu":
+                    gt, hh = grad.t().to(acc_dtype), h.to(acc_dtype)
+                    grad_weight = gt @ hh if grad_weight is None else grad_weight.addmm_(gt, hh)
                 else:
-                    grad_weight.add_(grad.t() @ h)
+                    part = grad.t() @ h
+                    grad_weight = part.to(acc_dtype) if grad_weight is None else grad_weight.add_(part)
             if want_bias:
-                part = grad.sum(dim=0).to(acc_dtype)
+                part = grad.sum(dim=0, dtype=acc_dtype)  # summed in fp32, not rounded to 16 bits per chunk
                 grad_bias = part if grad_bias is None else grad_bias + part
         return (torch.cat(grad_hidden) if want_hidden else None,
                 grad_weight.to(weight.dtype) if want_weight else None,

@@ -61,17 +61,24 @@ class ProbePlanner(Planner):
 
     def least(self) -> GraphShare:
         """This graph's least plan: the least budget the planner names, then the plan made for it."""
-        budget, bound = 1, 0
-        for _ in range(3):
-            try:
-                plan = self._plan_within(self.joint, self.fingerprint, budget)
-            except InfeasibleBudgetError as exc:
-                bound = exc.lower_bound_bytes or 0
-                budget = max(budget + 1, exc.min_budget_bytes)
-                continue
-            return GraphShare(self.record.index, self.request.capture, plan.predicted_peak_bytes, plan.saved_bytes,
-                              plan, min(bound, budget), self.runs)
-        raise RuntimeError(f"fxmem: {self.request.capture} was refused at the least budget its planner named")
+        plan, bound = least_plan(self, self.joint, self.fingerprint)
+        return GraphShare(self.record.index, self.request.capture, plan.predicted_peak_bytes, plan.saved_bytes,
+                          plan, bound, self.runs)
+
+
+def least_plan(planner: Planner, joint, fingerprint: str) -> tuple[Plan, int]:
+    """The plan `planner` makes for `joint` at the least budget it names, and the least budget any plan of
+    it could need (the proven bound, or that budget where lower)."""
+    budget, bound = 1, 0
+    for _ in range(3):
+        try:
+            plan = planner._plan_within(joint, fingerprint, budget)
+        except InfeasibleBudgetError as exc:
+            bound = exc.lower_bound_bytes or 0
+            budget = max(budget + 1, exc.min_budget_bytes)
+            continue
+        return plan, min(bound, budget)
+    raise RuntimeError(f"fxmem: {planner.request.capture} was refused at the least budget its planner named")
 
 
 def need(peaks: Sequence[int], saved: Sequence[int], runs: Sequence[int] | None = None) -> tuple[int, int]:

@@ -122,6 +122,13 @@ class Ledger:
             by_frame[r.frame if r.frame is not None else id(r)] = r
         return list(by_frame.values())
 
+    def position(self, record: GraphRecord) -> int:
+        """Where `record`'s graph runs in the step: the index of its frame's first record (a recompilation
+        of a frame, as after a guard fails in a later step, runs where the graph it replaces ran)."""
+        if record.frame is None:
+            return record.index
+        return next((r.index for r in self.records if r.frame == record.frame), record.index)
+
     def held_for(self, record: GraphRecord, count_saved: bool = True) -> tuple[int, int]:
         """Bytes the rest of the step holds while `record`'s graph runs forward, and backward; without
         `count_saved`, less what earlier graphs keep for their backward (the part a plan decides)."""

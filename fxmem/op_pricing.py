@@ -3,9 +3,12 @@ a GPU runs for an attention node traced on the CPU, and the ops priced by memory
 a FLOP formula.
 
 Reads fx nodes (their target and `meta["val"]` fake tensors); writes nothing. `fxmem.cost` uses it.
-FLOPs of attention are PyTorch's own formulas (`torch.utils.flop_counter.sdpa_flop` and
-`sdpa_backward_flop`: the two matmuls of softmax(q kᵀ) v, and the five of its backward, counted in
-full even where the mask is causal), given to `FlopCounterMode` as its custom mapping.
+FLOPs of attention are PyTorch's own formulas (`torch.utils.flop_counter.sdpa_flop_count` and
+`sdpa_backward_flop_count`: the two matmuls of softmax(q kᵀ) v, and the five of its backward, counted
+in full even where the mask is causal), given to `FlopCounterMode` as its custom mapping for every
+attention op. Under grouped-query attention (fewer key/value heads than query heads) they are given
+the key and value shapes with each head repeated over its group, as the kernel computes it: torch
+2.13's formulas count exactly that, torch 2.11's refuse heads that differ.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 import torch.fx
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 aten = torch.ops.aten
 
@@ -31,11 +34,33 @@ def _packets(names: tuple[str, ...]) -> list[Any]:
     return [getattr(aten, name) for name in names if hasattr(aten, name)]
 
 
-# Formulas for the attention ops torch's registry lacks (the CPU kernel and its backward at least);
-# FlopCounterMode wraps them to read shapes, so they are given unwrapped.
+def _with_heads(shape: torch.Size, heads: int) -> tuple[int, ...]:
+    """A key or value shape (batch, heads, sequence, head size) with each head repeated over its group
+    of `heads` query heads (grouped-query attention); as it is where the heads are equal or do not divide."""
+    if len(shape) == 4 and shape[1] != heads and shape[1] > 0 and heads % shape[1] == 0:
+        return (shape[0], heads, *shape[2:])
+    return tuple(shape)
+
+
+def attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of a fused attention forward: torch's `sdpa_flop_count`, key/value heads repeated to the query's."""
+    heads = query_shape[1]
+    return sdpa_flop_count(query_shape, _with_heads(key_shape, heads), _with_heads(value_shape, heads))
+
+
+def attention_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None,
+                             **kwargs) -> int:
+    """FLOPs of a fused attention backward: torch's `sdpa_backward_flop_count`, key/value heads repeated."""
+    heads = query_shape[1]
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, _with_heads(key_shape, heads),
+                                    _with_heads(value_shape, heads))
+
+
+# Formulas for every attention op (torch's registry lacks the CPU kernel's, and torch 2.11's refuses
+# grouped-query shapes); FlopCounterMode wraps them to read shapes, so they are given unwrapped.
 FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
-    **{p: sdpa_flop.__wrapped__ for p in _packets(ATTENTION_FORWARD) if p not in flop_registry},
-    **{p: sdpa_backward_flop.__wrapped__ for p in _packets(ATTENTION_BACKWARD) if p not in flop_registry},
+    **{p: attention_flops for p in _packets(ATTENTION_FORWARD)},
+    **{p: attention_backward_flops for p in _packets(ATTENTION_BACKWARD)},
 }
 
 # Ops whose work is a few operations per byte they move: the roofline's memory-traffic term is their

@@ -1,6 +1,7 @@
 """Shared test helpers: run a training step on two modules and compare them with eager."""
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -22,10 +23,25 @@ def step(module, inputs, kwargs=None, seed=1234):
     return training_step(module, inputs, kwargs)
 
 
+@contextlib.contextmanager
+def deterministic():
+    """torch's deterministic algorithms (warnings only where an op has none), for exact comparisons: with
+    many CPU threads, index_put with accumulate (the backward of nearest upsampling as traced graphs
+    decompose it) adds in an order that varies from run to run, where eager's upsample kernel does not."""
+    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), \
+        torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
 def assert_trains_like(reference, optimized, inputs, kwargs=None, *, atol=0.0, rtol=0.0):
-    """Same outputs, gradients and buffers after one step with the same RNG seed."""
-    ref_out = step(reference, inputs, kwargs)
-    out = step(optimized, inputs, kwargs)
+    """Same outputs, gradients and buffers after one step with the same RNG seed (deterministic algorithms)."""
+    with deterministic():
+        ref_out = step(reference, inputs, kwargs)
+        out = step(optimized, inputs, kwargs)
     ref_leaves = [t for t in torch.utils._pytree.tree_leaves(ref_out) if isinstance(t, torch.Tensor)]
     leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
     assert len(ref_leaves) == len(leaves)

@@ -87,6 +87,50 @@ def test_graph_break_step_refused_names_a_least_the_next_call_meets():
     assert "graphs together" in str(error) and "not proven" in str(error)
 
 
+class _Switched(_TwoHalves):
+    """_TwoHalves whose first graph reads a Python attribute (its activation): switching it after a step
+    fails that graph's guard, and Dynamo recompiles it with another op in a later step."""
+
+    def __init__(self, d: int = 64):
+        super().__init__(d)
+        self.act = "gelu"
+
+    def forward(self, x):
+        h = self.first[0](x)
+        h = self.first[2](nn.functional.gelu(h) if self.act == "gelu" else nn.functional.silu(h))
+        h = self.first[4](self.first[3](h))
+        if h.mean() > 0:
+            h = h * 0.5
+        return self.second(h).square().mean()
+
+
+def test_graph_recompiled_in_a_later_step_keeps_within_the_least_named():
+    """A graph Dynamo recompiles after the first step (a guard failed) runs where the graph it replaces
+    ran: it keeps no more for backward than leaves the later graphs their least, so the step is still
+    within the least named, and trains as eager."""
+    torch.manual_seed(0)
+    model, x = _Switched(), torch.randn(512, 64)
+    eager = measure_peak_bytes(copy.deepcopy(model), (x,))
+    with pytest.raises(fxmem.InfeasibleBudgetError) as refused:
+        step(fxmem.optimize(copy.deepcopy(model), budget_gb=0.3 * eager / GIB, time_limit_s=1), (x,))
+    least = refused.value.min_budget_bytes
+    torch._dynamo.reset()
+    reference, candidate = copy.deepcopy(model), copy.deepcopy(model)
+    optimized = fxmem.optimize(candidate, budget_gb=least / GIB, time_limit_s=1)
+    step(optimized, (x,))
+    planned = len(optimized.plans)
+    reference.act = candidate.act = "silu"
+    measured = measure_peak_bytes(optimized, (x,), warmup=False)
+    assert len(optimized.plans) == planned + 1  # the first graph, recompiled
+    assert measured <= least, f"measured {measured} > the least named {least}"
+    for module in (candidate, reference):
+        module.zero_grad(set_to_none=True)
+    torch.testing.assert_close(step(optimized, (x,)), step(reference, (x,)), atol=0, rtol=0)
+    ref = dict(reference.named_parameters())
+    for name, p in candidate.named_parameters():
+        torch.testing.assert_close(p.grad, ref[name].grad, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
 def test_wav2vec2_ctc_with_time_masking_refused_names_a_least_the_next_call_meets():
     """SpecAugment's time masks (transformers' default mask_time_prob) are drawn from NumPy's generator
     between Dynamo's graphs: the same masks as eager's, and every step's masks within the least named."""

@@ -45,14 +45,23 @@ def _bytes(node) -> int:
     return ins + sum(t.numel() * t.element_size() for t in tensors_of(node))
 
 
-def test_every_attention_backend_has_pytorchs_formula():
+@pytest.mark.parametrize("kv_heads", [8, 2], ids=["same-heads", "grouped-query"])
+def test_every_attention_backend_has_pytorchs_formula(kv_heads):
+    """PyTorch's formulas for every backend; under grouped-query attention (2 key/value heads for 8
+    query heads) the FLOPs of the same attention with each key/value head repeated over its group,
+    what the math path counts op by op."""
     registry = FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS).flop_registry
-    q, k, v, grad = torch.empty(2, 8, 64, 16), torch.empty(2, 2, 48, 16), torch.empty(2, 2, 48, 24), torch.empty(2, 8, 64, 24)
+    q, grad = torch.randn(2, 8, 64, 16), torch.randn(2, 8, 64, 24)
+    k, v = torch.randn(2, kv_heads, 48, 16), torch.randn(2, kv_heads, 48, 24)
+    k8, v8 = k.repeat_interleave(8 // kv_heads, dim=1), v.repeat_interleave(8 // kv_heads, dim=1)
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as math_path:
+        F.scaled_dot_product_attention(q, k, v, enable_gqa=kv_heads != 8)
+    assert math_path.get_total_flops() == sdpa_flop_count(q.shape, k8.shape, v8.shape) > 0
     for name in ATTENTION_FORWARD:
-        assert registry[getattr(torch.ops.aten, name)](q, k, v, out_val=grad) == sdpa_flop_count(q.shape, k.shape, v.shape)
+        assert registry[getattr(torch.ops.aten, name)](q, k, v, out_val=grad) == sdpa_flop_count(q.shape, k8.shape, v8.shape)
     for name in ATTENTION_BACKWARD:
         assert registry[getattr(torch.ops.aten, name)](grad, q, k, v, out_val=(q, k, v)) == \
-            sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape)
+            sdpa_backward_flop_count(grad.shape, q.shape, k8.shape, v8.shape)
     assert all(hasattr(torch.ops.aten, name) for name in MEMORY_BOUND), "names of aten ops"
 
 

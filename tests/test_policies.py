@@ -146,7 +146,9 @@ def test_transformers_policy_matches_activation_checkpointing(kind, name, every_
     by_hand = copy.deepcopy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        by_hand.activation_checkpointing_enable(every_n_layers=every_n)  # torch.utils.checkpoint, use_reentrant=False
+        # torch.utils.checkpoint, use_reentrant=False; transformers 5.17 names it gradient_checkpointing_enable
+        enable = getattr(by_hand, "activation_checkpointing_enable", None) or by_hand.gradient_checkpointing_enable
+        enable(every_n_layers=every_n)
     optimized = fxmem.optimize(copy.deepcopy(model), policy=name)
     measured, expected = measure_peak_bytes(optimized, (), kwargs), measure_peak_bytes(by_hand, (), kwargs)
     assert measured <= expected * 1.01, f"{kind} {name}: fxmem {measured} bytes, checkpointing {expected}"

@@ -169,8 +169,11 @@ def test_offload_never_predicted_slower_than_recompute_only(mlp):
     plain = fxmem.plan(model, inputs, budget_gb=budget, device="cpu", time_limit_s=2)
     assert with_offload.predicted_step_s <= plain.predicted_step_s
     # Planning for a device this machine lacks: the h100 preset and its PCIe Gen5 link (its eager
-    # peak holds the cuBLAS workspaces too: the same cut below it).
-    budget = (fxmem.plan(model, inputs, target="h100").baseline_peak_bytes - eager.baseline_peak_bytes * 0.15) / GIB
+    # peak and least hold the cuBLAS workspaces too: a budget half way between them).
+    with pytest.raises(fxmem.InfeasibleBudgetError) as refused:
+        fxmem.plan(model, inputs, budget_gb=1e-6, target="h100", time_limit_s=2)
+    h100_eager = fxmem.plan(model, inputs, target="h100").baseline_peak_bytes
+    budget = (refused.value.min_budget_bytes + h100_eager) / 2 / GIB
     h100 = fxmem.plan(model, inputs, budget_gb=budget, offload=True, target=fxmem.DeviceSpec.from_name("h100"),
                       time_limit_s=2)
     h100_plain = fxmem.plan(model, inputs, budget_gb=budget, target="h100", time_limit_s=2)

@@ -15,6 +15,7 @@ planner offers both and keeps the cheaper (`fxmem.planner`).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -37,7 +38,6 @@ MEMO_SIZE = 64
 # time-limited, so a budget named as the least by one call must not be refused by the next one on a
 # busier machine.
 _LOWEST_FOUND: dict[tuple, frozenset[int]] = {}
-_SOLVED: dict[tuple, Solution] = {}  # (solve, problem, solver, time limit) -> its answer
 
 
 def lowest(problem: MemoryProblem, least: frozenset[int], simulate: Simulate, time_limit_s: float,
@@ -74,17 +74,13 @@ def lowest(problem: MemoryProblem, least: frozenset[int], simulate: Simulate, ti
     return best
 
 
+@functools.lru_cache(maxsize=MEMO_SIZE)
 def solved(solve: Callable[[MemoryProblem, str, float], Solution], problem: MemoryProblem, solver: str,
            time_limit_s: float) -> Solution:
     """`solve(problem, solver, time_limit_s)`, or its answer to the same question (the same problem and
     budget) asked before in this process: a step planned again at the same budget (`fxmem.plan`, then
     `fxmem.optimize`) gets the decision it got, instead of one more solve to its time limit."""
-    key = (solve, problem, solver, time_limit_s)
-    if key not in _SOLVED:
-        if len(_SOLVED) >= MEMO_SIZE:
-            _SOLVED.pop(next(iter(_SOLVED)))
-        _SOLVED[key] = solve(problem, solver, time_limit_s)
-    return _SOLVED[key]
+    return solve(problem, solver, time_limit_s)
 
 
 def spend_slack(problem: MemoryProblem, candidate, solution: Solution, budget: int, simulate: Simulate,

@@ -35,12 +35,9 @@ MiB = 2**20
 
 def build(name, batch, seq):
     if name == "gpt2-124m":  # GPT-2 small's shape, labels= (the loss inside the model), dropout 0
-        import transformers as t
-        torch.manual_seed(0)
-        config = t.GPT2Config(n_positions=max(seq, 1024), use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0,
-                              attn_pdrop=0.0)
-        ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
-        return t.GPT2LMHeadModel(config), (), {"input_ids": ids, "labels": ids}
+        from bench_floor import gpt2
+        model, ids = gpt2(f"12x768x{batch}x{seq}")
+        return model, (), {"input_ids": ids, "labels": ids}
     if name == "gpt2-hf":
         import transformers as t
         torch.manual_seed(0)

@@ -86,14 +86,14 @@ def test_the_cheaper_of_the_solvers_and_the_least_route_is_kept(monkeypatch, bou
     assert_trains_like(_gpt()[0], optimized, inputs)
 
 
-def test_a_solve_asked_again_is_answered_from_memory(monkeypatch):
+def test_a_solve_asked_again_is_answered_from_memory():
     """`solved`: the same problem, budget, solver and time limit solved once per process; any other asks again."""
     from dataclasses import replace
 
     from fxmem.solve.recompute import solve
     from tests.test_solve import NAMED
 
-    monkeypatch.setattr(fxmem.fitting, "_SOLVED", {})
+    fxmem.fitting.solved.cache_clear()
     asked = []
 
     def counted(problem, solver, limit):

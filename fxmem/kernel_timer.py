@@ -17,6 +17,7 @@ from typing import Any, Hashable
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import _disable_current_modes
 
 from fxmem.memory import tensors_of
 
@@ -50,6 +51,11 @@ class KernelTimer:
         return self.cache[key]
 
     def _measure(self, target: Any, args: Any, kwargs: Any) -> float | None:
+        # The planner runs inside AOTAutograd's tracing, whose Python dispatcher and modes would be timed too.
+        with torch._C._DisablePythonDispatcher(), _disable_current_modes():
+            return self._time(target, args, kwargs)
+
+    def _time(self, target: Any, args: Any, kwargs: Any) -> float | None:
         real_args, real_kwargs = pytree.tree_map_only(torch.Tensor, self._real, (args, kwargs))
         try:
             target(*real_args, **real_kwargs)  # warm-up: caches, autotuning, lazy initialisation

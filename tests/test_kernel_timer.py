@@ -76,3 +76,25 @@ def test_a_gpu_plan_traced_on_cpu_says_what_may_differ():
     plan = fxmem.plan(model, inputs, target="h100")
     assert plan.graph_device == "cpu" and "traced on CPU for h100" in " ".join(plan.table().split())
     assert "traced on CPU" not in fxmem.plan(model, inputs).table()
+
+
+def test_kernels_are_timed_outside_the_tracers_python_dispatcher_and_modes():
+    """The planner runs inside AOTAutograd's tracing: a kernel timed there would be timed through the Python
+    dispatcher and any active dispatch mode, many times slower than the step runs it."""
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+
+    class Watching(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    seen = []
+
+    def op(x):
+        seen.append((torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PythonDispatcher),
+                     _get_current_dispatch_mode()))
+        return x + 1
+
+    with enable_python_dispatcher(), Watching():
+        assert KernelTimer("cpu")._measure(op, (torch.empty(4),), {}) > 0
+    assert seen and all(state == (False, None) for state in seen)

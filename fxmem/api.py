@@ -34,6 +34,7 @@ from fxmem.policies import Policy, PolicyError, parse_policy
 from fxmem.progress import planning
 from fxmem.report import short_signature
 from fxmem.step_module import LossStep
+from fxmem.step_timer import measured_overheads
 
 POOL_MODES = (False, True, "all")
 
@@ -90,8 +91,12 @@ def make_request(model: torch.nn.Module, args: tuple, kwargs: dict, *, budget: i
                  policy: Policy | None = None, inner: str = "aot_eager") -> PlanRequest:
     """What to plan for one input signature of `model` (budget in bytes, None: keep everything).
     `calibrate` None: time the kernels when the model is on a GPU (the device it will train on)."""
+    where = model_device(model)
     if calibrate is None:
-        calibrate = model_device(model).type == "cuda"
+        calibrate = where.type == "cuda"
+    if calibrate and where.type == "cpu" and not device.gpu:  # a step's fixed costs, as this CPU runs them
+        # (on a GPU the host's work runs ahead of the kernels, so it adds to the step only where launch-bound)
+        device = measured_overheads(device, where)
     name = getattr(model, "display_name", type(model).__qualname__)
     check_solver(solver)
     return PlanRequest(budget_bytes=plan.budget_bytes if plan is not None else budget, plan=plan, device=device,
@@ -120,7 +125,8 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
     (`pool=True`: the intermediates whose pooling does not raise the graph's peak; `pool="all"`: all).
     With `num_stages`, `example_inputs` is one microbatch and `budget_gb` is per pipeline stage:
     see `fxmem.pipeline` (`schedule` "1f1b" or "gpipe", `n_microbatches`, `optimizer` state).
-    `calibrate`: price each kernel by timing it on the device here (default: when the model is on a
+    `calibrate`: price each kernel by timing it on the device here, and on a CPU a step's fixed costs (per
+    step, parameter and view op: `fxmem.step_timer`) by timing small steps (default: when the model is on a
     GPU); otherwise, and for kernels it cannot time, the target's roofline prices them.
     `optimizer` (an optimizer, a name such as "adamw", or state bytes per parameter byte): its state is
     on the device for the whole step, so it is counted in the budget (so `budget_gb` can be the

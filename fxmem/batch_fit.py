@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from fxmem.api import optimize
+from fxmem.api import model_device, optimize
 from fxmem.api import plan as make_plan
 from fxmem.errors import InfeasibleBudgetError, fmt_bytes
 from fxmem.plan import Plan
@@ -98,7 +98,8 @@ def divisors(n: int) -> list[int]:
 def fit_batch(model: torch.nn.Module, example_inputs: Sequence[Any], budget_gb: float, *,
               example_kwargs: dict[str, Any] | None = None, global_batch: int | None = None,
               loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, example_target: Any = None,
-              optimizer: Any = None, time_limit_s: float = 5.0, quiet: bool = False, **plan_kwargs: Any) -> BatchFit:
+              optimizer: Any = None, time_limit_s: float = 5.0, calibrate: bool | None = None, quiet: bool = False,
+              **plan_kwargs: Any) -> BatchFit:
     """The micro-batch size and accumulation steps (`global_batch = steps x micro_batch`) whose plans fit
     `budget_gb` at the least predicted time per sample, and a module planned for them.
 
@@ -107,11 +108,15 @@ def fit_batch(model: torch.nn.Module, example_inputs: Sequence[Any], budget_gb: 
     first; smaller ones are skipped once a larger one fits without recompute: they are predicted no
     faster); each is planned for its first micro-batch and, with more than one step, for the later ones
     with the gradients resident. `optimizer` counts its state in the budget (see `fxmem.plan`);
-    `plan_kwargs` go to `fxmem.plan` and `fxmem.optimize` (device, solver, offload, ...). Prints the
+    `plan_kwargs` go to `fxmem.plan` and `fxmem.optimize` (device, solver, offload, ...). `calibrate` (default:
+    unless the model is on the meta device) prices with this machine's measured kernels and per-step costs,
+    which decide between many small micro-batches and fewer large ones (`fxmem.step_timer`). Prints the
     candidates weighed unless `quiet`; raises InfeasibleBudgetError when no micro-batch fits."""
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
     batch = _global_batch(args, {**kwargs, "target": example_target}, global_batch)
-    options = dict(loss_fn=loss_fn, optimizer=optimizer, time_limit_s=time_limit_s, **plan_kwargs)
+    if calibrate is None:
+        calibrate = model_device(model).type != "meta"
+    options = dict(loss_fn=loss_fn, optimizer=optimizer, time_limit_s=time_limit_s, calibrate=calibrate, **plan_kwargs)
     candidates, best, refusals = [], None, []
     sizes = sorted(divisors(batch), reverse=True)[:MAX_CANDIDATES]
     for size in sizes:

@@ -75,6 +75,12 @@ class DeviceSpec:
     blas_workspace_bytes: int = 0
     scratch_ops: tuple[str, ...] = ()
     gpu: bool = False
+    # What running a step costs beyond its kernels (`fxmem.step_timer` measures them): per view op (the
+    # generated code's dispatch), per step (wrappers, autograd engine) and per parameter tensor (gradient
+    # accumulation, bookkeeping). 0 on the GPU presets, where the host runs ahead of the kernels.
+    view_overhead_s: float = 0.0
+    step_overhead_s: float = 0.0
+    param_overhead_s: float = 0.0
 
     def with_link(self, link: "HostLink | str") -> "DeviceSpec":
         """This device with another host link (a `HostLink` or a preset name such as "nvlink-c2c")."""
@@ -108,6 +114,10 @@ class DeviceSpec:
     def seconds(self, flops: int, bytes_moved: int, dtype: torch.dtype | None = None) -> float:
         return self.op_overhead_s + max(flops / self.flop_rate(dtype), bytes_moved / self.bytes_per_s)
 
+    def fixed_seconds(self, num_parameters: int) -> float:
+        """A step's cost beyond its ops: per step, and per parameter tensor it trains."""
+        return self.step_overhead_s + self.param_overhead_s * num_parameters
+
 
 MIB = 2**20
 # The CUDA caching allocator rounds every block up to 512 bytes. cuBLAS keeps one workspace per
@@ -118,8 +128,10 @@ CUDA_DEVICE = dict(gpu=True, block_bytes=512, scratch_ops=("_softmax_backward_da
 SM80_WORKSPACE, SM90_WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8, 32 * MIB
 
 DEVICE_PRESETS: Mapping[str, DeviceSpec] = MappingProxyType({
-    # A 2-core laptop/CI-class CPU; per-op dispatch overhead dominates small ops.
-    "cpu": DeviceSpec("cpu", 1.0e11, 1.0e11, 15 * GB, 8e-6, None, HOST_LINKS["memcpy"]),
+    # A 2-core laptop/CI-class CPU; per-op dispatch overhead dominates small ops. A step's fixed costs as
+    # `fxmem.step_timer` measured them on such a machine (2026-11-26), rounded.
+    "cpu": DeviceSpec("cpu", 1.0e11, 1.0e11, 15 * GB, 8e-6, None, HOST_LINKS["memcpy"], view_overhead_s=5e-6,
+                      step_overhead_s=5e-4, param_overhead_s=5e-5),
     # Dense tensor-core peaks (no sparsity) and HBM bandwidth from the vendors' data sheets;
     # host links as the SXM/PCIe boards ship (H100/H200 SXM: PCIe Gen5; GH200 is h100 + nvlink-c2c).
     "a100": DeviceSpec("a100", 312e12, 156e12, 2039 * GB, 5e-6, 80 * 2**30, HOST_LINKS["pcie4"],
@@ -263,6 +275,8 @@ def estimate(gm: torch.fx.GraphModule, device: DeviceSpec | None = None,
         flops, seconds, fallback, kernel = 0, 0.0, False, None
         if fused and is_pointwise(node):
             pass  # no kernel of its own: no time, and its FLOPs are no matmul's
+        elif view and not fused and node.target is not operator.getitem:
+            seconds = device.view_overhead_s  # no kernel, but a dispatched op
         elif not (view or node.target is operator.getitem):
             in_bytes = sum(t.numel() * t.element_size() for n in node.all_input_nodes for t in tensors_of(n))
             flops = _count_flops(node)

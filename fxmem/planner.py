@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 
 from fxmem.cost import DEVICE_PRESETS, HOST_LINKS, CostTable, DeviceSpec, estimate
 from fxmem.errors import InfeasibleBudgetError, fmt_bytes
@@ -257,13 +258,14 @@ class Planner:
         recomputed = _recomputed(chosen, split, self._views)
         offloaded = [lowered.nodes[i].name for i in sorted(chosen.offloaded)]
         exposed_s = offload_cost(lowered.problem, chosen.offloaded) / 1e9
+        fixed_s = request.device.fixed_seconds(_trained_parameters(joint, self.num_fwd_outputs))
         return Plan(
             budget_bytes=int(budget) if budget is not None else chosen.timeline.peak, policy=described,
             baseline_peak_bytes=eager.timeline.peak,
             predicted_peak_bytes=chosen.timeline.peak, min_budget_bytes=min_budget,
             extra_flops=sum(costs[n].flops for n in recomputed), total_flops=costs.total_flops(),
-            predicted_step_s=costs.total_seconds() + sum(costs[n].seconds for n in recomputed) + exposed_s,
-            baseline_step_s=costs.total_seconds(), recompute=tuple(recomputed), saved=tuple(saved),
+            predicted_step_s=costs.total_seconds() + fixed_s + sum(costs[n].seconds for n in recomputed) + exposed_s,
+            baseline_step_s=costs.total_seconds() + fixed_s, recompute=tuple(recomputed), saved=tuple(saved),
             solver=solution.solver if solution else "policy" if policy is not None else "none",
             solver_status=solution.status if solution else "optimal",
             solver_gap=solution.gap if solution else 0.0, solve_time_s=solve_time,
@@ -416,6 +418,12 @@ def _timing(device: DeviceSpec, timer: KernelTimer | None) -> str:
     if timer is None or not timer.measured:
         return f"{device.name} roofline"
     return f"{timer.measured} kernels measured on {timer.device}, the rest by the {device.name} roofline"
+
+
+def _trained_parameters(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> int:
+    """The gradients the joint graph returns (one per parameter the step trains, or input it differentiates)."""
+    outputs = pytree.tree_leaves(joint.graph.find_nodes(op="output")[0].args)
+    return sum(1 for out in outputs[num_fwd_outputs:] if out is not None)
 
 
 def _graph_device(joint: torch.fx.GraphModule) -> torch.device:

@@ -65,3 +65,19 @@ def test_cli_global_batch_prints_the_candidates(capsys):
     out = capsys.readouterr().out
     assert "micro-batch" in out and "global batch 4 = 1 x 4" in out  # 1 GiB keeps everything at once
     assert "--global-batch" in fxmem.cli._parser().format_help()
+
+
+def test_a_costly_step_makes_fewer_larger_micro_batches_the_choice(gpt):
+    """What a step costs beyond its kernels is paid once per micro-batch: where it dominates, the largest
+    micro-batch that fits is the fastest per sample (and without it, the choice is the kernels')."""
+    import dataclasses
+
+    from fxmem.cost import DEVICE_PRESETS
+
+    model, (x, y) = gpt
+    costly = dataclasses.replace(DEVICE_PRESETS["cpu"], step_overhead_s=10.0)
+    budget = 0.8 * fxmem.plan(model, (x, y)).predicted_peak_bytes / 2**30  # the whole batch recomputes
+    fit = fxmem.fit_batch(model, (x, y), budget, device=costly, calibrate=False, time_limit_s=0.5, quiet=True)
+    assert (fit.micro_batch, fit.steps) == (GLOBAL, 1)
+    by_size = {c.micro_batch: c.seconds_per_sample for c in fit.candidates if c.fits}
+    assert by_size[GLOBAL] < min(t for size, t in by_size.items() if size != GLOBAL)

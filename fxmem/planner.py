@@ -7,8 +7,9 @@ solver's model leaves (`fxmem.fitting`). On graphs of more than `LARGE_CANDIDATE
 whenever the solver fits nothing, it also relaxes the least decision found to the budget and keeps
 the cheaper. With offload allowed it plans recompute-only too and keeps the faster of the two plans
 that fit. A named policy (`fxmem.policies`) gives the decision instead of the solver ("memory": the
-least budget found, then planned as a budget). Applying a given Plan instead checks its fingerprint first. Then runs the step's passes (`STEP_PASSES`: recompute, rng, offload, pool)
-on the graphs for that plan. Keeps the Plan on `self.plan`; writes what the passes write in `meta`.
+least budget found, then planned as a budget). Applying a given Plan instead checks its fingerprint
+first. Then runs the step's passes (`STEP_PASSES`: recompute, rng, offload, pool) on the graphs for
+that plan. Keeps the Plan on `self.plan`; writes what the passes write in `meta`.
 """
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
 
 from fxmem.cost import DEVICE_PRESETS, HOST_LINKS, CostTable, DeviceSpec, estimate
 from fxmem.errors import InfeasibleBudgetError, fmt_bytes
@@ -31,7 +31,6 @@ from fxmem.memory import (
     AllocatorModel,
     MemoryTimeline,
     simulate_step,
-    storages_of,
 )
 from fxmem.passes.dropout_backward import eager_dropout_backward
 from fxmem.passes.offload import offload, offload_pass
@@ -39,7 +38,8 @@ from fxmem.passes.pool import pool_pass, pool_stats
 from fxmem.passes.recompute import partition, recompute_pass
 from fxmem.passes.rng import replay_random_ops, rng_pass
 from fxmem.passes.runner import StepGraphs, run_passes
-from fxmem.plan import NodeRow, Plan, PoolSection, graph_fingerprint
+from fxmem.plan import Plan, PoolSection, graph_fingerprint
+from fxmem.plan_facts import breakdown, graph_device, node_rows, timing, trained_parameters
 from fxmem.policies import Policy, describe, every_block_checkpointed, policy_recompute, policy_within_budget
 from fxmem.problem import (
     eager_decision,
@@ -53,7 +53,6 @@ from fxmem.schedule import JointSplit, Lowered, build_problem, split_joint
 from fxmem.solve.recompute import least_peak, solve
 from fxmem.solve.solution import Solution, make_solution
 
-HELD = "held by the step's other graphs"
 STEP_PASSES = (recompute_pass, rng_pass, offload_pass, pool_pass)
 
 MAX_TIGHTENINGS = 8
@@ -219,7 +218,7 @@ class Planner:
     def _plan_within(self, joint: torch.fx.GraphModule, fingerprint: str, budget: int | None) -> Plan:
         request = self.request
         split = split_joint(joint, self.num_fwd_outputs)
-        timer = KernelTimer(_graph_device(joint)) if request.calibrate else None
+        timer = KernelTimer(graph_device(joint)) if request.calibrate else None
         costs = estimate(joint, request.device, backward=set(split.backward), timer=timer and timer.seconds,
                          fused=request.inner == "inductor")
         self._price_copies(costs)
@@ -258,7 +257,7 @@ class Planner:
         recomputed = _recomputed(chosen, split, self._views)
         offloaded = [lowered.nodes[i].name for i in sorted(chosen.offloaded)]
         exposed_s = offload_cost(lowered.problem, chosen.offloaded) / 1e9
-        fixed_s = request.device.fixed_seconds(_trained_parameters(joint, self.num_fwd_outputs))
+        fixed_s = request.device.fixed_seconds(trained_parameters(joint, self.num_fwd_outputs))
         return Plan(
             budget_bytes=int(budget) if budget is not None else chosen.timeline.peak, policy=described,
             baseline_peak_bytes=eager.timeline.peak,
@@ -272,12 +271,12 @@ class Planner:
             device=request.device.name, model=request.model, signature=request.signature, capture=request.capture,
             loss=request.loss,
             fingerprint=fingerprint, torch_version=torch.__version__,
-            breakdown=_breakdown(split, self.allocator),
-            nodes=_node_rows(lowered, costs, set(saved), set(recomputed), set(offloaded)),
+            breakdown=breakdown(split, self.allocator),
+            nodes=node_rows(lowered, costs, set(saved), set(recomputed), set(offloaded)),
             offload=tuple(offloaded), exposed_transfer_s=exposed_s,
             offloaded_bytes=sum(lowered.problem.size[i] for i in chosen.offloaded),
             host_link=request.device.host_link.name if request.offload and request.device.host_link else "",
-            timing=_timing(request.device, timer), graph_device=_graph_device(joint).type,
+            timing=timing(request.device, timer), graph_device=graph_device(joint).type,
             fallback_ops=costs.fallback_ops(), priced_as=costs.kernels(),
             timelines={"eager": eager.timeline, "plan": chosen.timeline})
 
@@ -334,12 +333,12 @@ class Planner:
             return *fitted, self.margin.least_budget(low.timeline.peak)
         if fitted is not None:
             return *fitted, None
-        breakdown = _breakdown(split, self.allocator)
-        breakdown["smallest activation set"] = max(0, low.timeline.peak - sum(breakdown.values()))
-        breakdown[f"planning margin ({self.margin.describe()})"] = \
+        parts = breakdown(split, self.allocator)
+        parts["smallest activation set"] = max(0, low.timeline.peak - sum(parts.values()))
+        parts[f"planning margin ({self.margin.describe()})"] = \
             self.margin.least_budget(low.timeline.peak) - low.timeline.peak
         bound = min(least.lower_bound, low.timeline.peak)
-        raise InfeasibleBudgetError(int(budget + margin), self.margin.least_budget(low.timeline.peak), breakdown,
+        raise InfeasibleBudgetError(int(budget + margin), self.margin.least_budget(low.timeline.peak), parts,
                                     lower_bound_bytes=self.margin.least_budget(bound), proven=least.proven)
 
     def _solver_fit(self, problem, budget: int, margin: int, time_limit_s: float, simulate
@@ -370,30 +369,6 @@ def _saved_names(lowered: Lowered, recompute: frozenset[int]) -> list[str]:
     return names + [p.name for p in lowered.primals]
 
 
-def _breakdown(split: JointSplit, allocator: AllocatorModel = EXACT) -> dict[str, int]:
-    static, grads = {}, {}
-    for node in split.primals:
-        static.update(storages_of(node))
-    for node in split.grads:
-        grads.update(storages_of(node))
-    parts = {"parameters, buffers and inputs": sum(static.values()), "gradients": sum(grads.values())}
-    workspaces = allocator.workspaces(split.forward, split.backward)
-    held = max(allocator.held_forward, allocator.held_backward)
-    return parts | ({"BLAS workspaces": workspaces} if workspaces else {}) | ({HELD: held} if held else {})
-
-
-def _node_rows(lowered: Lowered, costs: CostTable, saved: set[str], recomputed: set[str],
-               offloaded: set[str] = frozenset()) -> tuple[NodeRow, ...]:
-    rows = []
-    for i, node in enumerate(lowered.nodes):
-        cost = costs[node.name]
-        decision = "save" if node.name in saved else "recompute" if node.name in recomputed else "free"
-        decision = "offload" if node.name in offloaded else decision
-        kept = lowered.problem.size[i] if lowered.problem.can_save[i] else 0
-        rows.append(NodeRow(node.name, cost.op, cost.module, kept, cost.flops, cost.seconds, decision))
-    return tuple(rows)
-
-
 def _recomputed(candidate: _Candidate, split: JointSplit, views: set[str] | frozenset[str]) -> list[str]:
     """Forward values the candidate's backward graph recomputes (`views` excluded: they are free)."""
     forward_names = {n.name for n in split.forward}
@@ -412,27 +387,6 @@ def _allow_offload(lowered: Lowered, split: JointSplit, costs: CostTable, min_by
     transfer_ns = [round(link.seconds(b) * 1e9) for b in problem.size]
     overhead_ns = round(2 * costs.device.op_overhead_s * 1e9)
     return dataclasses.replace(lowered, problem=enable_offload(problem, step_ns, transfer_ns, min_bytes, overhead_ns))
-
-
-def _timing(device: DeviceSpec, timer: KernelTimer | None) -> str:
-    if timer is None or not timer.measured:
-        return f"{device.name} roofline"
-    return f"{timer.measured} kernels measured on {timer.device}, the rest by the {device.name} roofline"
-
-
-def _trained_parameters(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> int:
-    """The gradients the joint graph returns (one per parameter the step trains, or input it differentiates)."""
-    outputs = pytree.tree_leaves(joint.graph.find_nodes(op="output")[0].args)
-    return sum(1 for out in outputs[num_fwd_outputs:] if out is not None)
-
-
-def _graph_device(joint: torch.fx.GraphModule) -> torch.device:
-    """The device the joint graph's inputs live on (the first placeholder with a tensor value)."""
-    for node in joint.graph.find_nodes(op="placeholder"):
-        value = node.meta.get("val")
-        if isinstance(value, torch.Tensor):
-            return value.device
-    return torch.device("cpu")
 
 
 def _device_named(name: str, default: DeviceSpec) -> DeviceSpec:

@@ -13,7 +13,7 @@ import fxmem
 from fxmem import models
 from fxmem.backend import fxmem_backend, has_cxx_compiler, plan_path, plans_for
 from fxmem.measure import measure_peak_bytes, training_step
-from fxmem.planner import HELD
+from fxmem.plan_facts import HELD
 from tests.conftest import GIB, assert_trains_like
 
 BATCH = {"mlp-tiny": 1024}

@@ -4,9 +4,11 @@ runs planned steps.
 
 Reads the model's parameters and buffers at every call (training the result trains the model);
 BatchNorm running statistics are written back once per step by AOTAutograd's input-mutation
-epilogue. Compiled steps are cached per input signature (shapes, dtypes, mode, autocast, and the autocast
-backward last ran under: fxmem.backward_autocast). Writes nothing to disk;
-a progress line on stderr while the first call of a signature plans on a terminal.
+epilogue. The joint graphs traced for planning are kept in the process (`fxmem.joint_cache`): a step
+planned again is planned on a copy, and traced again only where its step runs. Compiled steps are
+cached per input signature (shapes, dtypes, mode, autocast, and the autocast backward last ran under:
+fxmem.backward_autocast). Writes nothing to disk; a progress line on stderr while the first call of a
+signature plans on a terminal.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from fxmem.attention_chunks import plan_with_rewrites, rewrites_planned
 from fxmem.capture import capture, data_dependent_error, describe_input, flat_graph_inputs, structure_outputs
 from fxmem.eager_step import EagerStep, eager_peak_within, eager_plan
 from fxmem.inductor_step import InductorRunner
+from fxmem.joint_cache import KeepingPlanner, Uncompiled, joint_of, kept, key_of, partitioning
 from fxmem.error_boundary import public
 from fxmem.errors import TraceError
 from fxmem.loss_boundary import Step, planned_step
@@ -127,29 +130,53 @@ def trace_on_fakes(step: CompiledStep, model: torch.nn.Module, args: Sequence[An
 
 
 def plan_step(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any], request: PlanRequest) -> Plan:
-    """Plan (or, with `request.plan`, check) a training step of `model` on fake tensors: nothing runs."""
-    return planned_graph(model, args, kwargs, request)[0]
+    """Plan (or, with `request.plan`, check) a training step of `model` on fake tensors: nothing runs.
+    The joint graphs traced are kept for the next plan of the same step (`fxmem.joint_cache`)."""
+    return planned_graph(model, args, kwargs, request, compile_step=False)[0]
 
 
-def planned_graph(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any], request: PlanRequest
-                  ) -> tuple[Plan, "CompiledStep"]:
-    """`plan_step`'s plan and the step it compiled on fake tensors (which then runs on real ones)."""
+def planned_graph(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any], request: PlanRequest,
+                  compile_step: bool = True) -> tuple[Plan, Any]:
+    """`plan_step`'s plan and the step it compiled (`_planned`); without `compile_step`, the plan alone."""
     if not any(p.requires_grad for _, p in model.named_parameters()) and not any(
             isinstance(x, torch.Tensor) and x.requires_grad for x in pytree.tree_leaves((tuple(args), kwargs))):
         raise ValueError("no parameter requires grad: there is no training step to plan")
     with planned_on(model, request.device):  # a meta model: traced as on the device it is planned for
         gm = capture(model, args, kwargs)
-        return plan_with_rewrites(gm, request, lambda graph, req: _planned(model, graph, args, kwargs, req))
+        return plan_with_rewrites(gm, request, lambda graph, req: _planned(model, graph, args, kwargs, req,
+                                                                           compile_step))
 
 
 def _planned(model: torch.nn.Module, gm: torch.fx.GraphModule, args: Sequence[Any], kwargs: dict[str, Any],
-             request: PlanRequest) -> tuple[Plan, "CompiledStep"]:
-    """The plan for the captured graph `gm` and its step compiled on fake tensors."""
-    planner = Planner(captured_as(request, gm))
-    step = CompiledStep(model, gm, planner, inner=request.inner)
-    trace_on_fakes(step, model, args, kwargs)
-    assert planner.plan is not None
-    return planner.plan, step
+             request: PlanRequest, compile_step: bool = True) -> tuple[Plan, Any]:
+    """The plan for the captured graph `gm` and its step: compiled on fake tensors where the step's joint graph
+    is traced for the first time (and kept: `fxmem.joint_cache`), else planned on the joint kept and compiled
+    at its first call, which applies the plan. Without `compile_step`, the plan alone, traced without
+    compiling (the step in its place only carries the planner)."""
+    if request.inner != "aot_eager":  # Inductor traces its own joint graph
+        step = CompiledStep(model, gm, Planner(captured_as(request, gm)), inner=request.inner)
+        trace_on_fakes(step, model, args, kwargs)
+        return step.planner.plan, step
+    planner = KeepingPlanner(captured_as(request, gm))
+    key = key_of(model, gm, args, kwargs)
+    found = kept(key)
+    if found is None and compile_step:
+        planner.key = key
+        step = CompiledStep(model, gm, planner)
+        trace_on_fakes(step, model, args, kwargs)
+        return planner.plan, step
+    joint, num_fwd_outputs = found or traced_joint(model, gm, args, kwargs, key)
+    with partitioning(joint):
+        planner(joint, None, num_fwd_outputs=num_fwd_outputs)
+    return planner.plan, CompiledStep(model, gm, planner) if compile_step else Uncompiled(planner)
+
+
+def traced_joint(model: torch.nn.Module, gm: torch.fx.GraphModule, args: Sequence[Any], kwargs: dict[str, Any],
+                 key: tuple | None = None) -> tuple[torch.fx.GraphModule, int]:
+    """A copy of the joint graph AOTAutograd traces for `gm`'s step on fake tensors, and its number of
+    forward outputs: traced once per step (`fxmem.joint_cache`; `key`: its key, where known)."""
+    return joint_of(key or key_of(model, gm, args, kwargs), lambda partitioner: trace_on_fakes(
+        CompiledStep(model, gm, partitioner), model, args, kwargs))
 
 
 def captured_as(request: PlanRequest, gm: torch.fx.GraphModule) -> PlanRequest:

@@ -16,8 +16,9 @@ import torch
 import torch.fx
 
 from fxmem.capture import capture
-from fxmem.engine import CompiledStep, OptimizedModule, plan_step, signature_of, trace_on_fakes
+from fxmem.engine import OptimizedModule, plan_step, signature_of, traced_joint
 from fxmem.errors import FxmemError, InfeasibleBudgetError, PlanMismatchError, fmt_bytes, gb_at_least
+from fxmem.joint_cache import partitioning
 from fxmem.passes.shard import crossing, split_stages, tag_units
 from fxmem.plan import PipelineSection, Plan, StageRow, graph_fingerprint
 from fxmem.planner import Planner, PlanRequest
@@ -29,20 +30,15 @@ MAX_ROUNDS = 4
 CHECK_TRIES = 4  # plans at the least a refusal names (raised each time) before naming it unchecked
 
 
-class _JointRecorder(Planner):
-    """The planner, keeping the joint graph it planned."""
-
-    def __call__(self, joint, inputs, **kwargs):
-        self.joint = joint
-        return super().__call__(joint, inputs, **kwargs)
-
-
 def eager_plan_and_joint(model, args, kwargs, request: PlanRequest):
-    """The whole model's eager plan (one microbatch) and the joint graph it was made from."""
-    recorder = _JointRecorder(dataclasses.replace(request, budget_bytes=None))
+    """The whole model's eager plan (one microbatch) and the joint graph it was made from (traced once
+    per step: `fxmem.joint_cache`)."""
+    planner = Planner(dataclasses.replace(request, budget_bytes=None))
     gm = capture(model, args, kwargs)
-    trace_on_fakes(CompiledStep(model, gm, recorder), model, args, kwargs)
-    return recorder.plan, recorder.joint, gm
+    joint, num_fwd_outputs = traced_joint(model, gm, args, kwargs)
+    with partitioning(joint):
+        planner(joint, None, num_fwd_outputs=num_fwd_outputs)
+    return planner.plan, joint, gm
 
 
 def plan_pipeline(model: torch.nn.Module, args: tuple, kwargs: dict, plan_request, request: PipelineRequest) -> Plan:

@@ -3,8 +3,8 @@
 
 Reads the model and example inputs; captures and traces the step once on fake tensors and plans its
 joint graph once per policy (`Planner.plan_only`), so the rows are the plans `fxmem.plan(...,
-policy=...)` makes, at the cost of one trace. Returns `PolicyRow`s and their table (tabulate, under
-120 columns). Writes nothing.
+policy=...)` makes, at the cost of one trace (none where the step was planned before:
+`fxmem.joint_cache`). Returns `PolicyRow`s and their table (tabulate, under 120 columns). Writes nothing.
 """
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 from tabulate import tabulate
-from torch._functorch.partitioners import default_partition
 
 from fxmem.capture import capture
 from fxmem.eager_meter import eager_peak_bytes
 from fxmem.eager_step import eager_peak_within, eager_plan
 from fxmem.errors import InfeasibleBudgetError, fmt_bytes
+from fxmem.joint_cache import partitioning
 from fxmem.plan import Plan
 from fxmem.planner import Planner, PlanRequest
 from fxmem.policies import POLICIES, PolicyError, parse_policy
@@ -47,23 +47,17 @@ class PolicyRow:
                 f"{recomputed} of {len(values)}", how]
 
 
-class _PlanEach:
-    """A partitioner that plans the joint graph once per request, then splits it as AOTAutograd's
-    default partitioner does (the comparison runs nothing)."""
-
-    plan = None
-
-    def __init__(self, requests: Sequence[tuple[str, PlanRequest]]):
-        self.requests = requests
-        self.rows: list[PolicyRow] = []
-
-    def __call__(self, joint: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **_kw: Any):
-        for name, request in self.requests:
+def _plan_each(joint: torch.fx.GraphModule, num_fwd_outputs: int, requests: Sequence[tuple[str, PlanRequest]]
+               ) -> list[PolicyRow]:
+    """The joint graph planned once per request (the comparison runs nothing)."""
+    rows = []
+    with partitioning(joint):
+        for name, request in requests:
             try:
-                self.rows.append(PolicyRow(name, Planner(request).plan_only(joint, num_fwd_outputs)))
+                rows.append(PolicyRow(name, Planner(request).plan_only(joint, num_fwd_outputs)))
             except (InfeasibleBudgetError, PolicyError) as exc:
-                self.rows.append(PolicyRow(name, None, _short(str(exc))))
-        return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs)
+                rows.append(PolicyRow(name, None, _short(str(exc))))
+    return rows
 
 
 def _short(message: str, limit: int = 70) -> str:
@@ -78,18 +72,16 @@ def compare_policies(model: torch.nn.Module, args: tuple, kwargs: dict, request:
     (already the step's module: `fxmem.loss_boundary.planned_step`), from one trace on fake tensors.
     `eager_peak`: PyTorch eager's peak for the step (`fxmem.loss_boundary.Step.eager_peak`), measured
     at most once here otherwise."""
-    from fxmem.engine import ANY_BUDGET, CompiledStep, trace_on_fakes
+    from fxmem.engine import ANY_BUDGET, traced_joint
 
     requests = [(name, dataclasses.replace(request, policy=parse_policy(name), budget_bytes=None))
                 for name in policies]
     if request.budget_bytes is not None:
         requests.append((f"budget {fmt_bytes(request.budget_bytes)}", dataclasses.replace(request, policy=None)))
-    planner = _PlanEach(requests)
     gm = capture(model, args, kwargs)
-    trace_on_fakes(CompiledStep(model, gm, planner), model, args, kwargs)
     rows = []
     eager_peak = eager_peak or functools.cache(lambda: eager_peak_bytes(model, args, kwargs))
-    for row in planner.rows:
+    for row in _plan_each(*traced_joint(model, gm, args, kwargs), requests):
         is_speed = row.plan is not None and row.name == "speed"
         is_budget = row.plan is not None and row.name.startswith("budget ")
         if is_speed or is_budget:  # as fxmem.plan does: PyTorch's own step where it holds less

@@ -100,14 +100,15 @@ def interleaved(runs, repeats):
     return {key: statistics.median(t) for key, t in times.items()}
 
 
-def fit(name, global_batch, fractions, time_limit, repeats):
+def fit(name, global_batch, fractions, time_limit, repeats, calibrate=None):
     model, args, extra, loss_fn = build(name, global_batch)
     target = extra.get("example_target")
     probe = fxmem.plan(model, args, None, loss_fn=loss_fn, **extra)
     rows = []
     for fraction in fractions:
         budget_gb = fraction * probe.baseline_peak_bytes / 2**30
-        chosen = fxmem.fit_batch(model, args, budget_gb, loss_fn=loss_fn, time_limit_s=time_limit, quiet=True, **extra)
+        chosen = fxmem.fit_batch(model, args, budget_gb, loss_fn=loss_fn, time_limit_s=time_limit, quiet=True,
+                                 calibrate=calibrate, **extra)
         runs, planned = {}, {}
         for c in chosen.candidates:
             if not c.fits:
@@ -140,11 +141,14 @@ def main():
     p.add_argument("--budgets", default="0.5,0.7,1.0", help="fractions of the keep-all step's peak at the global batch")
     p.add_argument("--time-limit", type=float, default=5.0)
     p.add_argument("--repeats", type=int, default=7, help="global batches timed per configuration, round-robin")
+    p.add_argument("--no-calibrate", action="store_true",
+                   help="fit with the device preset's prices instead of this machine's measured ones")
     args = p.parse_args()
     if args.what == "accumulation":
         accumulation(args.time_limit)
     else:
-        fit(args.model, args.global_batch, [float(f) for f in args.budgets.split(",")], args.time_limit, args.repeats)
+        fit(args.model, args.global_batch, [float(f) for f in args.budgets.split(",")], args.time_limit, args.repeats,
+            False if args.no_calibrate else None)
 
 
 if __name__ == "__main__":

@@ -248,7 +248,8 @@ def test_fxmem_full_traceback_keeps_every_frame(monkeypatch):
     monkeypatch.setenv("FXMEM_FULL_TRACEBACK", "1")
     with pytest.raises(fxmem.InfeasibleBudgetError) as info:
         fxmem.plan(model, (x,), budget_gb=1e-6)
-    assert len(printed(info.value)) > 40 and "_functorch" in "\n".join(printed(info.value))
+    lines = printed(info.value)  # the planner's own frames (and AOTAutograd's where this plan traced the step)
+    assert len(lines) > 40 and "fxmem/planner.py" in "\n".join(lines)
 
 
 def test_cli_exits_quietly_when_its_reader_leaves():

@@ -13,6 +13,7 @@ cache of generated code (its own folder); nothing else.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
@@ -24,6 +25,8 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fxmem.joint_cache import copy_joint
 
 
 INNERS = ("aot_eager", "inductor")
@@ -76,7 +79,8 @@ class _InductorPartitioner:
 
 
 def compile_with_partitioner(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
-                             partitioner: Callable[..., Any]) -> Callable[..., Any]:
+                             partitioner: Callable[..., Any], inner_compile: Callable[..., Any] | None = None
+                             ) -> Callable[..., Any]:
     """Inductor's compile_fx pipeline for `gm`, with `partitioner` (fxmem's planner) splitting the joint
     graph into forward and backward; caches off, since a plan depends on the budget, not only the graph."""
     from torch._inductor import config as inductor_config
@@ -88,7 +92,9 @@ def compile_with_partitioner(gm: torch.fx.GraphModule, example_inputs: Sequence[
 
     with torch._functorch.config.patch(enable_autograd_cache=False), \
             inductor_config.patch(custom_partitioner_fn=FxmemPartitioner(partitioner), fx_graph_cache=False):
-        return compile_fx(gm, list(example_inputs))
+        if inner_compile is None:
+            return compile_fx(gm, list(example_inputs))
+        return compile_fx(gm, list(example_inputs), inner_compile=inner_compile)
 
 
 def flat_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -135,17 +141,23 @@ class InductorRunner:
         return [x for x, tensor in zip(leaves, self.tensor_leaves) if tensor]
 
     def _plan_only(self, gm: torch.fx.GraphModule, fakes: list[Any]) -> None:
-        """The planner's plan for Inductor's joint graph of `gm`, stopping before Inductor makes code."""
-        planner = self.step.planner
+        """The plan for Inductor's joint graph of `gm` whose step, as Inductor fuses it, fits the budget
+        (`fxmem.inductor_plan`); Inductor makes no code."""
+        from fxmem.inductor_plan import fused_plan
 
-        def partition(joint, joint_inputs, **kwargs):
-            planner(joint, joint_inputs, **kwargs)
+        traced: list[Any] = []
+
+        def joint_only(joint, _joint_inputs, *, num_fwd_outputs, **_kwargs):
+            traced.append((copy_joint(joint), num_fwd_outputs))
             raise _Planned
 
         try:
-            compile_with_partitioner(gm, fakes, partition)
+            compile_with_partitioner(gm, fakes, joint_only)
         except _Planned:
-            return
+            pass
+        else:
+            raise AssertionError("Inductor compiled without partitioning")
+        fused_plan(self.step.planner, *traced[0], schedule)
 
     def _compile(self, gm: torch.fx.GraphModule, fakes: list[Any]) -> Callable[..., Any]:
         """Inductor's code for `gm`, partitioned by the planner: by the plan made while planning (applied
@@ -161,4 +173,17 @@ class InductorRunner:
 
 
 class _Planned(Exception):
-    """Raised by a plan-only partitioner once the plan is made: stops Inductor before code generation."""
+    """Raised by a partitioner that only takes Inductor's joint graph: stops Inductor there."""
+
+
+def schedule(graph: torch.fx.GraphModule, is_backward: bool) -> Any:
+    """`graph` (a planned forward or backward graph) as Inductor lowers and fuses it: its
+    `fxmem.inductor_memory.ScheduledGraph`; no code is made."""
+    from fxmem.inductor_memory import schedule_only
+
+    inputs = [n.meta["val"] for n in graph.graph.find_nodes(op="placeholder")]
+    found: list[Any] = []
+    mode = detect_fake_mode([x for x in inputs if isinstance(x, torch.Tensor)])
+    with mode if mode is not None else contextlib.nullcontext():
+        schedule_only(found.append)(copy_joint(graph), inputs, is_backward=is_backward)
+    return found[0]

@@ -1,11 +1,14 @@
-"""Independent memory meter for one training step: MemTracker on CPU, the CUDA allocator on GPU
-(`max_memory_allocated` after a warm-up step, workspaces the step's kernels allocate included).
+"""Independent memory meter for one training step: on CPU MemTracker, and for compiled code also the CPU
+allocator (the profiler's memory events above the step's start, plus what was allocated before it:
+Inductor's code allocates its buffers where no dispatch mode sees them), the larger of the two; on GPU the CUDA
+allocator's (`max_memory_allocated` after a warm-up step, workspaces the step's kernels allocate included).
 
 Reads nothing of fxmem's predictions; runs the step it is given (after one warm-up step) and
 returns the peak bytes it saw (parameters, gradients, activations and temporaries). Writes nothing.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 from typing import Any, Callable, Sequence
 
@@ -33,11 +36,14 @@ def training_step(module: torch.nn.Module, inputs: Sequence[Any], kwargs: dict |
 
 
 def measure_peak_bytes(module: torch.nn.Module, inputs: Sequence[Any], kwargs: dict | None = None,
-                       step: Callable[..., Any] = training_step, warmup: bool = True, keep_grads: bool = False) -> int:
+                       step: Callable[..., Any] = training_step, warmup: bool = True, keep_grads: bool = False,
+                       allocator: bool = False) -> int:
     """Peak bytes of one step, gradients set to None first (as after `zero_grad()`); with `keep_grads`
     the gradients are left as they are (an accumulating micro-batch: they count, and backward adds
     into them). With `warmup` a first, unmeasured step runs before, from the same gradients (it
-    compiles and plans the signature measured; it also trains the module once)."""
+    compiles and plans the signature measured; it also trains the module once). On CPU, `allocator` also
+    reads the CPU allocator (the profiler's memory events), as compiled code needs: Inductor's generated
+    code allocates its buffers where MemTracker does not see them (`inner="inductor"`, `torch.compile`)."""
     def zero_grad() -> None:
         for p in module.parameters():
             p.grad = None
@@ -51,12 +57,26 @@ def measure_peak_bytes(module: torch.nn.Module, inputs: Sequence[Any], kwargs: d
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     if device.type == "cuda":
         return _cuda_peak(device, module, inputs, kwargs, step)
+    resident = _resident_bytes(module, inputs)
     tracker = _StepTracker()
     tracker.track_external(module, *[x for x in inputs if isinstance(x, torch.Tensor)])
-    with tracker:
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+    with tracker, profiler if allocator else contextlib.nullcontext():
         step(module, inputs, kwargs)
-    peak = tracker.get_tracker_snapshot("peak")
-    return max(snap["Total"] for snap in peak.values())
+    peak = max(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
+    return max(peak, resident + _allocator_growth(profiler)) if allocator else peak
+
+
+def _allocator_growth(prof: torch.profiler.profile) -> int:
+    """The most bytes the CPU allocator held above the step's start, from the profiler's memory events:
+    every allocation, also those of compiled code (Inductor's buffers) that no dispatch mode sees."""
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    now = peak = 0
+    for e in events:
+        now += e.nbytes()
+        peak = max(peak, now)
+    return peak
 
 
 def _cuda_peak(device: torch.device, module: torch.nn.Module, inputs: Sequence[Any], kwargs: dict | None,

@@ -4,9 +4,9 @@
 For each model: eager, full activation checkpointing (`--full-ac`), `torch.compile` (Inductor) with no budget and with
 `activation_memory_budget` at each --knapsack fraction, then fxmem at each knapsack's (and full
 checkpointing's) measured peak, with `inner="aot_eager"` (eager
-kernels) and `inner="inductor"` (where fxmem refuses a budget, at the least it names instead). Peaks are measured by MemTracker (`fxmem.measure`; on `--device cuda`,
-`torch.cuda.max_memory_allocated`) and on CPU, as a cross-check that sees every allocation Inductor's
-code makes, by the profiler's memory events (growth over the step's start); fxmem's predicted peak
+kernels) and `inner="inductor"` (where fxmem refuses a budget, at the least it names instead). Peaks are measured by `fxmem.measure` with `allocator=True`: on CPU the larger of MemTracker's
+and the CPU allocator's (the profiler's memory events: Inductor's code allocates where MemTracker does
+not see), on `--device cuda` `torch.cuda.max_memory_allocated`; fxmem's predicted peak and its error
 beside them. Step times are medians of --repeats steps timed
 round-robin over every configuration, so a change of load hits each alike.
 
@@ -50,23 +50,6 @@ def build(name, batch, seq):
     return models.from_name(name, dropout=0.0), models.example_inputs(name), {}
 
 
-def profiler_growth(module, args, kwargs):
-    """Peak bytes allocated above the step's start, from the profiler's CPU memory events."""
-    from torch.profiler import ProfilerActivity, profile
-
-    module.zero_grad(set_to_none=True)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        loss_of(module(*args, **kwargs)).backward()
-    module.zero_grad(set_to_none=True)
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    now = peak = 0
-    for e in events:
-        now += e.nbytes()
-        peak = max(peak, now)
-    return peak
-
-
 def step_seconds(module, args, kwargs):
     module.zero_grad(set_to_none=True)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
@@ -108,7 +91,7 @@ def main():
         configs[f"torch.compile budget {fraction}"] = module
     for name, module in list(configs.items()):
         step_seconds(module, args, kwargs)
-    peaks = {name: measure_peak_bytes(m, args, kwargs) for name, m in configs.items()}
+    peaks = {name: measure_peak_bytes(m, args, kwargs, allocator=True) for name, m in configs.items()}
     print("; ".join(f"{name}: {peak / MiB:.2f} MiB" for name, peak in peaks.items()), flush=True)
     for m in configs.values():
         m.zero_grad(set_to_none=True)
@@ -129,23 +112,23 @@ def main():
                                         time_limit_s=a.time_limit)
                 step_seconds(module, args, kwargs)
             configs[label], predicted[label] = module, module.plan.predicted_peak_bytes
-            peaks[label] = measure_peak_bytes(module, args, kwargs)
+            peaks[label] = measure_peak_bytes(module, args, kwargs, allocator=True)
             print(f"{label}: measured {peaks[label] / MiB:.2f} MiB, predicted {predicted[label] / MiB:.2f}", flush=True)
             module.zero_grad(set_to_none=True)
     on_cpu = a.device == "cpu"
-    growth = {name: profiler_growth(m, args, kwargs) if on_cpu else None for name, m in configs.items()}
     times = {name: [] for name in configs}
     for _ in range(a.repeats):
         for name, module in configs.items():
             times[name].append(step_seconds(module, args, kwargs))
     base = statistics.median(times["torch.compile"])
-    rows = [[name, f"{peaks[name] / MiB:.2f}", f"{growth[name] / MiB:.2f}" if on_cpu else "-",
-             f"{predicted[name] / MiB:.2f}" if name in predicted else "-",
+    rows = [[name, f"{peaks[name] / MiB:.2f}",
+             f"{predicted[name] / MiB:.2f} ({(predicted[name] - peaks[name]) / peaks[name]:+.1%})"
+             if name in predicted else "-",
              f"{statistics.median(times[name]) * 1e3:.1f}", f"{statistics.median(times[name]) / base:.2f}"]
             for name in configs]
-    rows += [[name, f"refused: least {least / MiB:.2f}", "-", "-", "-", "-"] for name, least in refused.items()]
-    meter = "MemTracker" if on_cpu else "max_memory_allocated"
-    print(tabulate(rows, headers=["", f"measured peak MiB ({meter})", "growth MiB (profiler)", "predicted MiB",
+    rows += [[name, f"refused: least {least / MiB:.2f}", "-", "-", "-"] for name, least in refused.items()]
+    meter = "MemTracker and the CPU allocator" if on_cpu else "max_memory_allocated"
+    print(tabulate(rows, headers=["", f"measured peak MiB ({meter})", "predicted MiB (error)",
                                   "step ms (median)", "x torch.compile"]))
     where = torch.cuda.get_device_name() if not on_cpu else "cpu"
     print(f"{a.model}; {where}; torch {torch.__version__}; load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")

@@ -1,0 +1,207 @@
+"""What Inductor's code holds: the step's memory simulated on the buffers Inductor makes, after fusion.
+
+Inductor fuses pointwise chains into their consumers, so most values of a planned graph never exist;
+a simulation of the unfused graph (`fxmem.memory.simulate_step`) overstates the step (1.5-1.7x on the
+test GPTs). Here each planned graph is lowered and scheduled by Inductor's own pipeline, stopped after
+fusion (`config._post_fusion_custom_pass`), before any code is made: its kernels in the order they run,
+the buffers each one writes and reads. `simulate_fused` then walks forward and backward as
+`simulate_step` does, on those buffers: parameters and inputs held throughout, a buffer freed after
+its last reader unless the graph returns it, backward's inputs (the saved values) freed after their
+last reader, gradients and what the caller holds kept to the end.
+
+Reads Inductor's scheduler nodes (a prototype IR: `ScheduledGraph` keeps only names and byte counts,
+so a change there breaks this module alone). Writes nothing.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Hashable, Sequence
+
+import torch
+import torch.fx
+
+from fxmem.memory import EXACT, AllocatorModel, MemoryTimeline, Walker, storages_of
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledGraph:
+    """One graph as Inductor runs it: `kernels` in order, each (buffers written with their bytes,
+    names read); `inputs` the graph's inputs (placeholder names); `outputs` what it returns, by name."""
+
+    inputs: tuple[str, ...]
+    kernels: tuple[tuple[tuple[tuple[str, int], ...], tuple[str, ...]], ...]
+    outputs: tuple[str, ...]
+
+
+def _hint(expr: Any) -> int:
+    from torch._inductor.virtualized import V
+
+    sizevars = V.graph.sizevars
+    if hasattr(sizevars, "optimization_hint"):
+        return int(sizevars.optimization_hint(expr, fallback=0))
+    return int(sizevars.size_hint(expr, fallback=0))
+
+
+def _buffer_bytes(buf: Any) -> int:
+    """Bytes Inductor allocates for a scheduler buffer: its layout's storage (padded strides counted);
+    none for a multi-output kernel's tuple (its parts are buffers of their own) or a buffer without data."""
+    from torch._inductor.ir import MultiOutputLayout, NoneLayout
+
+    layout = buf.node.layout
+    if isinstance(layout, (NoneLayout, MultiOutputLayout)):
+        return 0
+    try:
+        numel = layout.storage_size()
+    except (AttributeError, NotImplementedError):
+        numel = buf.node.get_numel()
+    return _hint(numel) * layout.dtype.itemsize
+
+
+def scheduled_graph(nodes: Sequence[Any]) -> ScheduledGraph:
+    """The `ScheduledGraph` of Inductor's fused scheduler nodes (called inside Inductor's lowering).
+    A buffer a kernel mutates in place keeps its first name (Inductor renames it at each mutation)."""
+    from torch._inductor.virtualized import V
+
+    real = dict(nodes[0].scheduler.mutation_real_name) if nodes else {}
+    name = lambda n: real.get(n, n)  # noqa: E731
+    kernels = []
+    for node in nodes:
+        written = tuple((name(b.get_name()), 0 if b.get_name() in real else _buffer_bytes(b))
+                        for b in node.get_outputs())
+        read = tuple(sorted({name(dep.name) for dep in node.read_writes.reads}))
+        kernels.append((written, read))
+    return ScheduledGraph(tuple(V.graph.graph_inputs), tuple(kernels),
+                          tuple(name(n) for n in V.graph.get_output_names()))
+
+
+class _Scheduled(Exception):
+    def __init__(self, graph: ScheduledGraph):
+        super().__init__("scheduled")
+        self.graph = graph
+
+
+def schedule_only(record: Callable[[ScheduledGraph], None]) -> Callable[..., Any]:
+    """An `inner_compile` for `compile_fx` that lowers and fuses a graph, hands its `ScheduledGraph`
+    to `record`, and makes no code (what it returns must never run)."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    def stop(nodes):
+        raise _Scheduled(scheduled_graph(nodes))
+
+    def inner_compile(gm, example_inputs, **kwargs):
+        try:
+            with inductor_config.patch(_post_fusion_custom_pass=stop):
+                compile_fx_inner(gm, example_inputs, **kwargs)
+        except _Scheduled as done:
+            record(done.graph)
+        except Exception as error:  # Inductor wraps what a pass raises
+            cause = _scheduled_in(error)
+            if cause is None:
+                raise
+            record(cause.graph)
+        return _never_run
+
+    return inner_compile
+
+
+def _scheduled_in(error: BaseException | None) -> _Scheduled | None:
+    """The `_Scheduled` that `error` wraps (Inductor re-raises what its passes raise), else None."""
+    seen = set()
+    while error is not None and id(error) not in seen and not isinstance(error, _Scheduled):
+        seen.add(id(error))
+        error = getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
+    return error
+
+
+def _never_run(*_args):
+    raise RuntimeError("fxmem: a graph scheduled to measure its memory was run")
+
+
+def _output_names(gm: torch.fx.GraphModule) -> list[Any]:
+    import torch.utils._pytree as pytree
+
+    return list(pytree.tree_leaves(gm.graph.output_node().args[0]))
+
+
+def simulate_fused(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, fused_fw: ScheduledGraph,
+                   fused_bw: ScheduledGraph, num_user_outputs: int, allocator: AllocatorModel = EXACT
+                   ) -> MemoryTimeline:
+    """The step's live bytes as Inductor's code for `fw` and `bw` (planned graphs, scheduled as
+    `fused_fw`, `fused_bw`) holds them; `num_user_outputs` as in `simulate_step`."""
+    static: dict[Hashable, int] = {}
+    fw_inputs = {n.name: n for n in fw.graph.find_nodes(op="placeholder")}
+    for node in fw_inputs.values():
+        static.update(storages_of(node))
+    walker = Walker(static, allocator, allocator.workspaces(fw.graph.nodes, bw.graph.nodes))
+
+    # forward: inputs are the step's (held throughout), buffers die after their last reader
+    fw_keys = {name: ("fw", name) for written, _ in fused_fw.kernels for name, _ in written}
+    inputs = {("input", name) for name in fw_inputs}  # held by the step throughout
+    fw_keys.update({name: ("input", name) for name in fw_inputs})
+    returned = {fw_keys[n] for n in fused_fw.outputs if n in fw_keys}
+    _walk(walker, fused_fw, fw_keys, "forward", keep=returned | inputs)
+    returned = {fw_keys[n] for n in fused_fw.outputs if n in fw_keys}
+    walker.retain(returned | inputs)
+
+    # backward's inputs: the values forward returned (by the planned graphs' names), then the tangents
+    fx_outputs = _output_names(fw)
+    by_fx_name = {n.name: fw_keys[b] for n, b in zip(fx_outputs, fused_fw.outputs)
+                  if isinstance(n, torch.fx.Node) and b in fw_keys}
+    held_by_user = {fw_keys[b] for b in fused_fw.outputs[:num_user_outputs] if b in fw_keys}
+    bw_keys: dict[str, Hashable] = {}
+    for node in bw.graph.find_nodes(op="placeholder"):
+        if node.name in by_fx_name:
+            bw_keys[node.name] = by_fx_name[node.name]
+        else:  # a tangent: autograd makes it before backward runs
+            walker.allocate({("tangent", node.name): sum(storages_of(node).values())})
+            bw_keys[node.name] = ("tangent", node.name)
+    bw_keys.update({name: ("bw", name) for written, _ in fused_bw.kernels for name, _ in written})
+    grads = {bw_keys[n] for n in fused_bw.outputs if n in bw_keys}
+    _walk(walker, fused_bw, bw_keys, "backward", keep=held_by_user | grads | inputs)
+    return walker.timeline()
+
+
+def _walk(walker: Walker, graph: ScheduledGraph, keys: dict[str, Hashable], phase: str, keep: set[Hashable]
+          ) -> None:
+    """Run `graph`'s kernels in order as Inductor's code does: a buffer no other kernel reads (and the
+    graph does not return) lives inside its fused kernel and is never allocated; a kernel writes an
+    output into a buffer it reads last, of the same size, in place (`config.inplace_buffers`); a buffer
+    or freeable input dies after its last reader unless in `keep`. `keys` is updated in place: a buffer
+    written in place of another takes that one's key."""
+    keep = set(keep)
+    writer = {name: i for i, (written, _) in enumerate(graph.kernels) for name, _ in written}
+    read_elsewhere = {name for i, (_, read) in enumerate(graph.kernels) for name in read if writer.get(name) != i}
+    returned = {keys[n] for n in graph.outputs if n in keys}
+    last: dict[Hashable, int] = {}
+    for i, (written, read) in enumerate(graph.kernels):
+        for name in read:
+            if name in keys:
+                last[keys[name]] = i
+    for i, (written, read) in enumerate(graph.kernels):
+        dying = {keys[n]: None for n in read if n in keys and last.get(keys[n]) == i and keys[n] not in keep
+                 and keys[n] in walker.live}
+        for name, nbytes in written:
+            key = keys[name]
+            if name not in read_elsewhere and key not in returned and key not in keep:
+                continue  # fused away
+            same = next((d for d in dying if walker.live.get(d) == walker.allocator.round(nbytes) and nbytes), None)
+            if same is not None:  # written in place of an input that dies here
+                del dying[same]
+                keys[name] = same
+                if key in returned or key in keep:  # the storage now holds what the graph returns
+                    keep.add(same)
+                    returned.add(same)
+                for n in [n for n, k in keys.items() if k == key]:
+                    keys[n] = same
+                last[same] = max(last.get(key, i), i)
+                continue
+            walker.allocate({key: nbytes})
+        walker.record(written[0][0] if written else f"kernel{i}", phase)
+        for key in dying:
+            if last.get(key) == i:
+                walker.live.pop(key, None)
+        for name, _ in written:  # written, never read after: freed at once
+            key = keys[name]
+            if key not in last and key not in returned and key not in keep:
+                walker.live.pop(key, None)

@@ -176,14 +176,24 @@ class _Planned(Exception):
     """Raised by a partitioner that only takes Inductor's joint graph: stops Inductor there."""
 
 
-def schedule(graph: torch.fx.GraphModule, is_backward: bool) -> Any:
+def schedule(graph: torch.fx.GraphModule, is_backward: bool, donated: Sequence[int] = ()) -> Any:
     """`graph` (a planned forward or backward graph) as Inductor lowers and fuses it: its
-    `fxmem.inductor_memory.ScheduledGraph`; no code is made."""
+    `fxmem.inductor_memory.ScheduledGraph`; no code is made. `donated`: the backward's inputs AOTAutograd
+    donates (`fxmem.inductor_memory.donated_inputs`), as it tells Inductor through its tracing context."""
     from fxmem.inductor_memory import schedule_only
 
     inputs = [n.meta["val"] for n in graph.graph.find_nodes(op="placeholder")]
     found: list[Any] = []
     mode = detect_fake_mode([x for x in inputs if isinstance(x, torch.Tensor)])
-    with mode if mode is not None else contextlib.nullcontext():
+    context = torch._guards.TracingContext(mode)
+    context.fw_metadata = _DonatedOnly(list(donated))
+    with mode if mode is not None else contextlib.nullcontext(), torch._guards.tracing(context):
         schedule_only(found.append)(copy_joint(graph), inputs, is_backward=is_backward)
     return found[0]
+
+
+@dataclasses.dataclass
+class _DonatedOnly:
+    """What Inductor reads of AOTAutograd's metadata when it lowers a backward graph alone."""
+
+    bw_donated_idxs: list[int]

@@ -25,12 +25,11 @@ from fxmem.memory import EXACT, AllocatorModel, MemoryTimeline, Walker, storages
 
 @dataclasses.dataclass(frozen=True)
 class ScheduledGraph:
-    """One graph as Inductor runs it: `kernels` in order, each (buffers written with their bytes,
-    names read, names it may write in place of: Inductor's own code reading them at the index it
-    writes); `inputs` the graph's inputs (placeholder names); `outputs` what it returns, by name."""
+    """One graph as Inductor runs it: `kernels` in order, each (buffers written with their bytes, names
+    read); `inputs` the graph's inputs (placeholder names); `outputs` what it returns, by name."""
 
     inputs: tuple[str, ...]
-    kernels: tuple[tuple[tuple[tuple[str, int], ...], tuple[str, ...], tuple[str, ...]], ...]
+    kernels: tuple[tuple[tuple[tuple[str, int], ...], tuple[str, ...]], ...]
     outputs: tuple[str, ...]
 
 
@@ -65,9 +64,7 @@ def scheduled_graph(nodes: Sequence[Any]) -> ScheduledGraph:
 
     real = dict(nodes[0].scheduler.mutation_real_name) if nodes else {}
     name = lambda n: real.get(n, n)  # noqa: E731
-    from torch._inductor.scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode
-
-    kernels: list[tuple[list[tuple[str, int]], tuple[str, ...], tuple[str, ...]]] = []
+    kernels: list[tuple[list[tuple[str, int]], tuple[str, ...]]] = []
     where: dict[str, int] = {}  # the kernel writing each buffer
     for node in nodes:
         written = []
@@ -79,28 +76,9 @@ def scheduled_graph(nodes: Sequence[Any]) -> ScheduledGraph:
             else:
                 written.append((name(b.get_name()), nbytes))
         where.update({n: len(kernels) for n, _ in written})
-        own_code = not isinstance(node, (ExternKernelSchedulerNode, NopKernelSchedulerNode))
-        kernels.append((written, tuple(sorted({name(dep.name) for dep in node.read_writes.reads})),
-                        tuple(sorted(name(n) for n in _inplaceable(node))) if own_code else ()))
-    return ScheduledGraph(tuple(V.graph.graph_inputs), tuple((tuple(w), r, c) for w, r, c in kernels),
+        kernels.append((written, tuple(sorted({name(dep.name) for dep in node.read_writes.reads}))))
+    return ScheduledGraph(tuple(V.graph.graph_inputs), tuple((tuple(w), r) for w, r in kernels),
                           tuple(name(n) for n in V.graph.get_output_names()))
-
-
-def _inplaceable(node: Any) -> set[str]:
-    """Buffers `node` (Inductor's own code) may overwrite with its output: read by one of its parts at the
-    index written (`NodeUser.can_inplace`), a buffer or a backward input donated to it, made by a kernel that is not a no-op (Inductor's
-    `decide_inplace_update`; whether it is the buffer's last reader is the simulation's to see)."""
-    from torch._inductor.scheduler import NopKernelSchedulerNode
-
-    scheduler, found = node.scheduler, set()
-    for part in node.get_nodes():
-        for dep in part.read_writes.reads:
-            buf = scheduler.name_to_buf.get(dep.name) or getattr(scheduler, "name_to_donated_buffer", {}).get(dep.name)
-            if buf is None or isinstance(buf.defining_op, NopKernelSchedulerNode):
-                continue
-            if any(user.node is part and user.can_inplace for user in buf.users):
-                found.add(dep.name)
-    return found
 
 
 def _multi_output_parent(buf: Any) -> str | None:
@@ -154,20 +132,6 @@ def _scheduled_in(error: BaseException | None) -> _Scheduled | None:
     return error
 
 
-def donated_inputs(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, num_user_outputs: int) -> list[int]:
-    """Positions of `bw`'s inputs that AOTAutograd donates to Inductor's backward (which may then write
-    in place of them): saved values sharing no storage with forward's inputs, the values forward returns
-    to the caller, or backward's outputs (AOTAutograd's `collect_bw_donated_buffer_idxs`)."""
-    if not torch._functorch.config.donated_buffer:
-        return []
-    held = set()
-    for node in [*fw.graph.find_nodes(op="placeholder"), *_output_names(fw)[:num_user_outputs], *_output_names(bw)]:
-        if isinstance(node, torch.fx.Node):
-            held.update(storages_of(node))
-    return [i for i, node in enumerate(bw.graph.find_nodes(op="placeholder"))
-            if not node.name.startswith("tangents") and storages_of(node) and not set(storages_of(node)) & held]
-
-
 def _never_run(*_args):
     raise RuntimeError("fxmem: a graph scheduled to measure its memory was run")
 
@@ -190,12 +154,11 @@ def simulate_fused(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, fused_fw:
     walker = Walker(static, allocator, allocator.workspaces(fw.graph.nodes, bw.graph.nodes))
 
     # forward: inputs are the step's (held throughout), buffers die after their last reader
-    fw_keys = {name: ("fw", name) for written, *_ in fused_fw.kernels for name, _ in written}
+    fw_keys = {name: ("fw", name) for written, _ in fused_fw.kernels for name, _ in written}
     inputs = {("input", name) for name in fw_inputs}  # held by the step throughout
     fw_keys.update({name: ("input", name) for name in fw_inputs})
     returned = {fw_keys[n] for n in fused_fw.outputs if n in fw_keys}
     _walk(walker, fused_fw, fw_keys, "forward", keep=returned | inputs)
-    returned = {fw_keys[n] for n in fused_fw.outputs if n in fw_keys}
     walker.retain(returned | inputs)
 
     # backward's inputs: the values forward returned (by the planned graphs' names), then the tangents
@@ -210,7 +173,7 @@ def simulate_fused(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, fused_fw:
         else:  # a tangent: autograd makes it before backward runs
             walker.allocate({("tangent", node.name): sum(storages_of(node).values())})
             bw_keys[node.name] = ("tangent", node.name)
-    bw_keys.update({name: ("bw", name) for written, *_ in fused_bw.kernels for name, _ in written})
+    bw_keys.update({name: ("bw", name) for written, _ in fused_bw.kernels for name, _ in written})
     grads = {bw_keys[n] for n in fused_bw.outputs if n in bw_keys}
     _walk(walker, fused_bw, bw_keys, "backward", keep=held_by_user | grads | inputs)
     return walker.timeline()
@@ -219,44 +182,23 @@ def simulate_fused(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, fused_fw:
 def _walk(walker: Walker, graph: ScheduledGraph, keys: dict[str, Hashable], phase: str, keep: set[Hashable]
           ) -> None:
     """Run `graph`'s kernels in order as Inductor's code does: a buffer no other kernel reads (and the
-    graph does not return) lives inside its fused kernel and is never allocated; a kernel writes an
-    output into a buffer it reads last, of the same size, in place (`config.inplace_buffers`); a buffer
-    or freeable input dies after its last reader unless in `keep`. `keys` is updated in place: a buffer
-    written in place of another takes that one's key."""
-    keep = set(keep)
-    writer = {name: i for i, (written, *_) in enumerate(graph.kernels) for name, _ in written}
-    read_elsewhere = {name for i, (_, read, _) in enumerate(graph.kernels) for name in read if writer.get(name) != i}
+    graph does not return) lives inside its fused kernel and is never allocated; every other buffer is
+    allocated by the kernel writing it (Inductor's in-place reuse is off: `inductor_step.NO_INPLACE`); a
+    buffer or freeable input dies after its last reader unless in `keep`."""
+    writer = {name: i for i, (written, _) in enumerate(graph.kernels) for name, _ in written}
+    read_elsewhere = {name for i, (_, read) in enumerate(graph.kernels) for name in read if writer.get(name) != i}
     returned = {keys[n] for n in graph.outputs if n in keys}
     last: dict[Hashable, int] = {}
-    for i, (written, read, _) in enumerate(graph.kernels):
+    for i, (written, read) in enumerate(graph.kernels):
         for name in read:
             if name in keys:
                 last[keys[name]] = i
-    for i, (written, read, inplaceable) in enumerate(graph.kernels):
-        dying = {keys[n]: None for n in read if n in keys and last.get(keys[n]) == i and keys[n] not in keep
-                 and keys[n] in walker.live}
+    for i, (written, read) in enumerate(graph.kernels):
         for name, nbytes in written:
             key = keys[name]
-            if name not in read_elsewhere and key not in returned and key not in keep:
-                continue  # fused away
-            same = next((keys[n] for n in inplaceable if keys.get(n) in dying and nbytes
-                         and walker.live.get(keys[n]) == walker.allocator.round(nbytes)), None)
-            if same is not None:  # written in place of an input that dies here
-                del dying[same]
-                keys[name] = same
-                if key in returned or key in keep:  # the storage now holds what the graph returns
-                    keep.add(same)
-                    returned.add(same)
-                for n in [n for n, k in keys.items() if k == key]:
-                    keys[n] = same
-                last[same] = max(last.get(key, i), i)
-                continue
-            walker.allocate({key: nbytes})
+            if name in read_elsewhere or key in returned or key in keep:  # else fused away
+                walker.allocate({key: nbytes})
         walker.record(written[0][0] if written else f"kernel{i}", phase)
-        for key in dying:
-            if last.get(key) == i:
-                walker.live.pop(key, None)
-        for name, _ in written:  # written, never read after: freed at once
-            key = keys[name]
-            if key not in last and key not in returned and key not in keep:
+        for key in {keys[n] for n in read if n in keys} | {keys[n] for n, _ in written}:
+            if last.get(key, i) == i and key not in keep and key not in returned:
                 walker.live.pop(key, None)

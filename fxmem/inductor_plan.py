@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch.fx
 
 from fxmem.errors import InfeasibleBudgetError
-from fxmem.inductor_memory import ScheduledGraph, donated_inputs, simulate_fused
+from fxmem.inductor_memory import ScheduledGraph, simulate_fused
 from fxmem.joint_cache import copy_joint, partitioning
 from fxmem.plan import Plan
 
@@ -42,7 +42,7 @@ class _Try:
 
 def fused_plan(planner: Any, joint: torch.fx.GraphModule, num_fwd_outputs: int,
                schedule: Callable[..., ScheduledGraph]) -> Plan:
-    """The plan for `joint` whose step, as Inductor fuses it (`schedule(graph, is_backward, donated)`), fits the
+    """The plan for `joint` whose step, as Inductor fuses it (`schedule(graph, is_backward)`), fits the
     planner's budget; sets `planner.plan`. Raises `InfeasibleBudgetError` naming the fused least."""
     request = planner.request
 
@@ -52,8 +52,7 @@ def fused_plan(planner: Any, joint: torch.fx.GraphModule, num_fwd_outputs: int,
         with partitioning(copied):
             fw, bw = planner(copied, None, num_fwd_outputs=num_fwd_outputs)
         plan = planner.plan
-        donated = donated_inputs(fw, bw, num_fwd_outputs)
-        timeline = simulate_fused(fw, bw, schedule(fw, False), schedule(bw, True, donated), num_fwd_outputs,
+        timeline = simulate_fused(fw, bw, schedule(fw, False), schedule(bw, True), num_fwd_outputs,
                                   planner.allocator)
         beside = plan.predicted_peak_bytes - plan.timelines["plan"].peak
         log.info("target %d: unfused %d, fused %d bytes", target or 0, plan.predicted_peak_bytes,

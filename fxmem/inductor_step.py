@@ -146,23 +146,27 @@ class InductorRunner:
         return [x for x, tensor in zip(leaves, self.tensor_leaves) if tensor]
 
     def _plan_only(self, gm: torch.fx.GraphModule, fakes: list[Any]) -> None:
-        """The plan for Inductor's joint graph of `gm` whose step, as Inductor fuses it, fits the budget
-        (`fxmem.inductor_plan`); Inductor makes no code."""
-        from fxmem.inductor_plan import fused_plan
+        """The planner's plan for Inductor's joint graph of `gm` (Inductor makes no code), with the step as
+        Inductor fuses it simulated beside (`plan.timelines["inductor"]`, `fxmem.inductor_memory`): an
+        estimate, not the plan's promise, which stays the unfused graph's peak (see docs/compile.md)."""
+        from fxmem.inductor_memory import simulate_fused
 
-        traced: list[Any] = []
+        planner = self.step.planner
+        graphs: list[Any] = []
 
-        def joint_only(joint, _joint_inputs, *, num_fwd_outputs, **_kwargs):
-            traced.append((copy_joint(joint), num_fwd_outputs))
+        def partition(joint, joint_inputs, **kwargs):
+            fw, bw = planner(joint, joint_inputs, **kwargs)
+            graphs[:] = [copy_joint(fw), copy_joint(bw)]
             raise _Planned
 
         try:
-            compile_with_partitioner(gm, fakes, joint_only)
+            compile_with_partitioner(gm, fakes, partition)
         except _Planned:
             pass
-        else:
-            raise AssertionError("Inductor compiled without partitioning")
-        fused_plan(self.step.planner, *traced[0], schedule)
+        fw, bw = graphs
+        fused = simulate_fused(fw, bw, schedule(fw, False), schedule(bw, True), planner.num_fwd_outputs,
+                               planner.allocator)
+        planner.plan = dataclasses.replace(planner.plan, timelines={**planner.plan.timelines, "inductor": fused})
 
     def _compile(self, gm: torch.fx.GraphModule, fakes: list[Any]) -> Callable[..., Any]:
         """Inductor's code for `gm`, partitioned by the planner: by the plan made while planning (applied
@@ -178,7 +182,7 @@ class InductorRunner:
 
 
 class _Planned(Exception):
-    """Raised by a partitioner that only takes Inductor's joint graph: stops Inductor there."""
+    """Raised by a plan-only partitioner once the plan is made: stops Inductor before code generation."""
 
 
 def schedule(graph: torch.fx.GraphModule, is_backward: bool) -> Any:

@@ -112,6 +112,9 @@ def main():
                                         time_limit_s=a.time_limit)
                 step_seconds(module, args, kwargs)
             configs[label], predicted[label] = module, module.plan.predicted_peak_bytes
+            fused = module.plan.timelines.get("inductor")
+            if fused is not None:
+                print(f"{label}: fused estimate {fused.peak / MiB:.2f} MiB", flush=True)
             peaks[label] = measure_peak_bytes(module, args, kwargs, allocator=True)
             print(f"{label}: measured {peaks[label] / MiB:.2f} MiB, predicted {predicted[label] / MiB:.2f}", flush=True)
             module.zero_grad(set_to_none=True)

@@ -170,9 +170,11 @@ class InductorRunner:
 
     def _compile(self, gm: torch.fx.GraphModule, fakes: list[Any]) -> Callable[..., Any]:
         """Inductor's code for `gm`, partitioned by the planner: by the plan made while planning (applied
-        to the same joint graph, no second solve), else planned now."""
+        to the same joint graph, no second solve), else planned now, on fakes first (the fused estimate)."""
         planner = self.step.planner
         asked = planner.request
+        if planner.plan is None and asked.plan is None:
+            self._plan_only(gm, fakes)
         if planner.plan is not None and asked.plan is None:
             planner.request = dataclasses.replace(asked, plan=planner.plan)
         try:

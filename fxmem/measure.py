@@ -57,7 +57,7 @@ def measure_peak_bytes(module: torch.nn.Module, inputs: Sequence[Any], kwargs: d
     device = next((p.device for p in module.parameters()), torch.device("cpu"))
     if device.type == "cuda":
         return _cuda_peak(device, module, inputs, kwargs, step)
-    resident = _resident_bytes(module, inputs)
+    resident = _resident_bytes(module, inputs) if allocator else 0
     tracker = _StepTracker()
     tracker.track_external(module, *[x for x in inputs if isinstance(x, torch.Tensor)])
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)

@@ -20,15 +20,14 @@ from typing import Any, Callable, Hashable, Sequence
 import torch
 import torch.fx
 
-from fxmem.memory import EXACT, AllocatorModel, MemoryTimeline, Walker, storages_of
+from fxmem.memory import EXACT, AllocatorModel, MemoryTimeline, Walker, graph_outputs, storages_of
 
 
 @dataclasses.dataclass(frozen=True)
 class ScheduledGraph:
     """One graph as Inductor runs it: `kernels` in order, each (buffers written with their bytes, names
-    read); `inputs` the graph's inputs (placeholder names); `outputs` what it returns, by name."""
+    read); `outputs` what it returns, by name."""
 
-    inputs: tuple[str, ...]
     kernels: tuple[tuple[tuple[tuple[str, int], ...], tuple[str, ...]], ...]
     outputs: tuple[str, ...]
 
@@ -77,7 +76,7 @@ def scheduled_graph(nodes: Sequence[Any]) -> ScheduledGraph:
                 written.append((name(b.get_name()), nbytes))
         where.update({n: len(kernels) for n, _ in written})
         kernels.append((written, tuple(sorted({name(dep.name) for dep in node.read_writes.reads}))))
-    return ScheduledGraph(tuple(V.graph.graph_inputs), tuple((tuple(w), r) for w, r in kernels),
+    return ScheduledGraph(tuple((tuple(w), r) for w, r in kernels),
                           tuple(name(n) for n in V.graph.get_output_names()))
 
 
@@ -136,12 +135,6 @@ def _never_run(*_args):
     raise RuntimeError("fxmem: a graph scheduled to measure its memory was run")
 
 
-def _output_names(gm: torch.fx.GraphModule) -> list[Any]:
-    import torch.utils._pytree as pytree
-
-    return list(pytree.tree_leaves(gm.graph.output_node().args[0]))
-
-
 def simulate_fused(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, fused_fw: ScheduledGraph,
                    fused_bw: ScheduledGraph, num_user_outputs: int, allocator: AllocatorModel = EXACT
                    ) -> MemoryTimeline:
@@ -162,7 +155,7 @@ def simulate_fused(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, fused_fw:
     walker.retain(returned | inputs)
 
     # backward's inputs: the values forward returned (by the planned graphs' names), then the tangents
-    fx_outputs = _output_names(fw)
+    fx_outputs = graph_outputs(fw)
     by_fx_name = {n.name: fw_keys[b] for n, b in zip(fx_outputs, fused_fw.outputs)
                   if isinstance(n, torch.fx.Node) and b in fw_keys}
     held_by_user = {fw_keys[b] for b in fused_fw.outputs[:num_user_outputs] if b in fw_keys}
@@ -184,10 +177,9 @@ def _walk(walker: Walker, graph: ScheduledGraph, keys: dict[str, Hashable], phas
     """Run `graph`'s kernels in order as Inductor's code does: a buffer no other kernel reads (and the
     graph does not return) lives inside its fused kernel and is never allocated; every other buffer is
     allocated by the kernel writing it (Inductor's in-place reuse is off: `inductor_step.NO_INPLACE`); a
-    buffer or freeable input dies after its last reader unless in `keep`."""
+    buffer or freeable input dies after its last reader unless in `keep` (what the graph returns among it)."""
     writer = {name: i for i, (written, _) in enumerate(graph.kernels) for name, _ in written}
     read_elsewhere = {name for i, (_, read) in enumerate(graph.kernels) for name in read if writer.get(name) != i}
-    returned = {keys[n] for n in graph.outputs if n in keys}
     last: dict[Hashable, int] = {}
     for i, (written, read) in enumerate(graph.kernels):
         for name in read:
@@ -196,9 +188,9 @@ def _walk(walker: Walker, graph: ScheduledGraph, keys: dict[str, Hashable], phas
     for i, (written, read) in enumerate(graph.kernels):
         for name, nbytes in written:
             key = keys[name]
-            if name in read_elsewhere or key in returned or key in keep:  # else fused away
+            if name in read_elsewhere or key in keep:  # else fused away
                 walker.allocate({key: nbytes})
         walker.record(written[0][0] if written else f"kernel{i}", phase)
         for key in {keys[n] for n in read if n in keys} | {keys[n] for n, _ in written}:
-            if last.get(key, i) == i and key not in keep and key not in returned:
+            if last.get(key, i) == i and key not in keep:
                 walker.live.pop(key, None)

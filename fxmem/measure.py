@@ -60,8 +60,9 @@ def measure_peak_bytes(module: torch.nn.Module, inputs: Sequence[Any], kwargs: d
     resident = _resident_bytes(module, inputs) if allocator else 0
     tracker = _StepTracker()
     tracker.track_external(module, *[x for x in inputs if isinstance(x, torch.Tensor)])
-    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
-    with tracker, profiler if allocator else contextlib.nullcontext():
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) \
+        if allocator else None
+    with tracker, profiler or contextlib.nullcontext():
         step(module, inputs, kwargs)
     peak = max(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
     return max(peak, resident + _allocator_growth(profiler)) if allocator else peak

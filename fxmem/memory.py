@@ -181,7 +181,8 @@ def _placeholders(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return list(gm.graph.find_nodes(op="placeholder"))
 
 
-def _outputs(gm: torch.fx.GraphModule) -> list[Any]:
+def graph_outputs(gm: torch.fx.GraphModule) -> list[Any]:
+    """The leaves of `gm`'s output, in order (nodes, and None or constants where a graph returns them)."""
     return list(pytree.tree_leaves(gm.graph.output_node().args[0]))
 
 
@@ -205,11 +206,11 @@ def simulate_step(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, num_user_o
     for node in _placeholders(fw):
         static.update(storages_of(node))
     walker = Walker(static, allocator, allocator.workspaces(fw.graph.nodes, bw.graph.nodes))
-    fw_outputs = _outputs(fw)
+    fw_outputs = graph_outputs(fw)
     held_by_user = _keys(fw_outputs[:num_user_outputs])
     returned = _keys(fw_outputs)
     walker.walk(list(fw.graph.nodes), "forward", keep=returned)
     walker.retain(returned)
-    grads = _keys(_outputs(bw))
+    grads = _keys(graph_outputs(bw))
     walker.walk(list(bw.graph.nodes), "backward", keep=held_by_user | grads)
     return walker.timeline()

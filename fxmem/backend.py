@@ -5,9 +5,9 @@
 Dynamo hands each captured graph to `fxmem_backend`; AOTAutograd traces its joint forward/backward
 graph and `fxmem.planner.Planner` (the same planner `fxmem.plan`/`fxmem.optimize` use) picks what to
 save and what to recompute so the simulated step fits the budget. The forward and backward graphs
-then run through boxed_nop ("aot_eager") or Inductor ("inductor"). Random ops: with eager kernels, and
-with Inductor under `torch._inductor.config.fallback_random`, dropout may be recomputed with the numbers
-it drew (passes/rng.py); with Inductor's own random numbers it is kept (docs/compile-random.md).
+then run through boxed_nop ("aot_eager") or Inductor ("inductor"). Random ops may be recomputed and draw
+the numbers forward drew: eager's kernels replayed from a saved generator state (passes/rng.py), or
+Inductor's own draws recomputed from the per-graph seeds the plan keeps (docs/compile-random.md).
 
 Budget across graph breaks: one `torch.compile(...)` call has one ledger (`fxmem.ledger`). Graph k
 of a step is planned for the whole `budget_gb`, with what the rest of the step holds while its

@@ -6,10 +6,12 @@ backend both compile this way.
 
 Reads the captured graph (`fxmem.capture`), whose parameters and buffers are the model's own tensors:
 Inductor's code holds them (as a torch.compile'd module does), and is made again if the model's
-tensors are replaced. Random ops: Inductor
-draws its own random numbers (not torch's generator) unless `torch._inductor.config.fallback_random`,
-so the planner keeps them rather than recompute them (`replays_random`). Writes Inductor's usual
-cache of generated code (its own folder); nothing else.
+tensors are replaced. Random ops: unless
+`torch._inductor.config.fallback_random`, Inductor's joint-graph passes (run before the planner sees the
+graph) replace each random op by `inductor_random(shape, seed)`, a pure function of a seed drawn once per
+graph (`inductor_seeds`, tagged random): the planner keeps the seeds and may recompute the draws and the
+masks made from them, which are then forward's (`replays_random`). Writes Inductor's usual cache of
+generated code (its own folder); nothing else.
 """
 from __future__ import annotations
 
@@ -52,10 +54,12 @@ def check_inner(inner: str) -> str:
 
 
 def replays_random(inner: str) -> bool:
-    """Whether random ops may be recomputed with the numbers they drew (passes/rng.py): with eager
-    kernels, and with Inductor under `torch._inductor.config.fallback_random`, where random ops are
-    eager's own kernels on torch's generator. Inductor's own random numbers (the default) come from
-    its seeds and kernels, not torch's generator: random ops are kept (docs/compile-random.md)."""
+    """Whether random ops (torch's `nondeterministic_seeded` tag) may be recomputed, replayed from the
+    generator state they drew from (passes/rng.py): with eager kernels, and with Inductor under
+    `torch._inductor.config.fallback_random`, where random ops are eager's own kernels on torch's
+    generator. With Inductor's own random numbers (the default) the only such op left is the per-graph
+    seed draw, which is kept; the draws made from it are pure functions of the seed and may be
+    recomputed (docs/compile-random.md)."""
     if inner != "inductor":
         return True
     from torch._inductor import config as inductor_config

@@ -92,3 +92,46 @@ def test_inner_is_checked_in_one_line():
     if has_cxx_compiler():
         with pytest.raises(ValueError, match="without offload or pool"):
             fxmem.optimize(model, budget_gb=1.0, inner="inductor", pool=True)
+
+
+class Dropouts(nn.Module):
+    """Dropout after every layer, each layer's output returned: the masks forward drew can be read off them."""
+
+    def __init__(self, width=512, depth=4):
+        super().__init__()
+        self.scales = nn.ParameterList(nn.Parameter(torch.rand(width) + 0.5) for _ in range(depth))
+
+    def forward(self, x):
+        outputs = []
+        for scale in self.scales:
+            x = nn.functional.dropout(torch.tanh(x), 0.5) * scale
+            outputs.append(x)
+        return tuple(outputs)
+
+
+@needs_compiler
+def test_inductor_recomputes_dropout_masks_from_the_seeds_forward_drew():
+    """Inductor's own random numbers (not fallback_random): each draw is a function of a per-graph seed,
+    which the plan keeps, so at the least budget backward recomputes the masks, and they are forward's:
+    the gradients are those of the step with forward's masks (read off the returned outputs) fixed."""
+    torch.manual_seed(0)
+    model, x = Dropouts(), torch.randn(256, 512)
+    with pytest.raises(fxmem.InfeasibleBudgetError) as info:
+        fxmem.optimize(copy.deepcopy(model), budget_gb=1e-6, inner="inductor", time_limit_s=2)(x)
+    optimized = fxmem.optimize(model, budget_gb=info.value.min_budget_bytes * 1.05 / GIB, inner="inductor",
+                               time_limit_s=2)
+    outputs = optimized(x)
+    sum(o.pow(2).sum() for o in outputs).backward()
+    assert any(name.startswith("inductor_random") for name in optimized.plan.recompute)
+
+    masks = [o.detach() != 0 for o in outputs]
+    scales = [s.detach().clone().requires_grad_() for s in model.scales]
+    h, want = x, []
+    for scale, mask in zip(scales, masks):
+        h = torch.tanh(h) * mask * 2.0 * scale
+        want.append(h)
+    sum(o.pow(2).sum() for o in want).backward()
+    for got, expected in zip(model.scales, scales):
+        torch.testing.assert_close(got.grad, expected.grad, atol=1e-3, rtol=1e-4)
+    for got, expected in zip(outputs, want):
+        torch.testing.assert_close(got.detach(), expected.detach())

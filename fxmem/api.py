@@ -22,7 +22,7 @@ from fxmem.cost import DeviceSpec, preset_for
 from fxmem.eager_step import eager_peak_within, eager_plan
 from fxmem.engine import ANY_BUDGET, OptimizedModule, plan_step, signature_of
 from fxmem.error_boundary import public
-from fxmem.inductor_step import check_inner, replays_random
+from fxmem.inductor_step import check_inner, default_inner, replays_random
 from fxmem.loss_boundary import planned_step
 from fxmem.meta_device import planned_on, refuse_meta_model
 from fxmem.optimizer_state import model_state_bytes
@@ -83,6 +83,19 @@ def check_policy(policy: Policy | None, *, offload: bool = False, num_stages: in
 def model_device(model: torch.nn.Module | None) -> torch.device:
     return next((p.device for p in model.parameters()), torch.device("cpu")) if model is not None \
         else torch.device("cpu")
+
+
+def inner_for(model: torch.nn.Module, inner: str | None, plan: Plan | None, passes: bool) -> str:
+    """What runs the planned graphs: `inner` if given, else what `plan` was made for (its graph is that
+    compiler's), else `default_inner` for the model's device; a plan made for the other one is refused."""
+    made_for = getattr(plan, "inner", "") or ("aot_eager" if plan is not None else "")
+    if inner is None:
+        inner = made_for or default_inner(model_device(model), passes)
+    check_inner(inner)
+    if made_for and inner != made_for:
+        raise ValueError(f"plan= was made for inner={made_for!r}, whose graph differs from inner={inner!r}'s; "
+                         f"pass inner={made_for!r}, or make a new plan with inner={inner!r}")
+    return inner
 
 
 def make_request(model: torch.nn.Module, args: tuple, kwargs: dict, *, budget: int | None, device: DeviceSpec,
@@ -198,7 +211,7 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
              devices: Sequence[str] | None = None, pool: bool | str = False,
              calibrate: bool | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
              keep_outputs: bool | None = None, optimizer: Any = None, model_loss: bool = True,
-             policy: str | None = None, every_n: int | None = None, inner: str = "aot_eager"
+             policy: str | None = None, every_n: int | None = None, inner: str | None = None
              ) -> OptimizedModule | PlacedModule:
     """A module that trains like `model` with its step planned under `budget_gb` (planned lazily at the
     first call, from the real inputs; re-planned per input signature), or running a given `plan`.
@@ -215,9 +228,9 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
     the plan of the input signature it saw last, `.plans` all of them. `policy`, `every_n`: a named policy
     instead of (or checked against) `budget_gb`, see `plan`. `inner="inductor"`: Inductor compiles the planned
     step (fused kernels; fxmem's planner decides what backward keeps and recomputes: `fxmem.inductor_step`);
-    "aot_eager", the default, runs it with eager kernels and trains bit for bit as eager does."""
+    "aot_eager" runs it with eager kernels and trains bit for bit as eager does. Default: "inductor" for a
+    model on a GPU, else "aot_eager" (`fxmem.inductor_step.default_inner` says why)."""
     check_model(model)
-    check_inner(inner)
     if inner == "inductor" and (pool or offload or devices is not None):
         raise ValueError("inner='inductor' runs one planned step on one device, without offload or pool; "
                          "drop pool=, offload= and devices=, or use inner='aot_eager'")
@@ -230,6 +243,7 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
     time_limit_s = check_time_limit(time_limit_s)
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"plan must be an fxmem.Plan (see fxmem.Plan.load), got {type(plan).__name__}")
+    inner = inner_for(model, inner, plan, passes=bool(pool or offload or devices is not None))
     if devices is not None:
         if pool:
             raise ValueError("pool=True is not supported together with devices=[...]")

@@ -53,6 +53,15 @@ def check_inner(inner: str) -> str:
     return inner
 
 
+def default_inner(device: torch.device, passes: bool = False) -> str:
+    """How `fxmem.optimize` runs a planned step unless told: Inductor for a model on a GPU, where fused
+    kernels make the step faster and its peak lower (GPT-2 124M, 8x1024, H200: 7037.8 MiB measured at the
+    budget of full checkpointing's peak, BENCHMARKS.md); eager kernels on a CPU, where Inductor compiles
+    each graph for tens of seconds and the step then trains bit for bit as eager does. `passes`:
+    offload, pool or several devices are asked for, which run on eager kernels only."""
+    return "inductor" if device.type == "cuda" and not passes and has_cxx_compiler() else "aot_eager"
+
+
 def replays_random(inner: str) -> bool:
     """Whether random ops (torch's `nondeterministic_seeded` tag) may be recomputed, replayed from the
     generator state they drew from (passes/rng.py): with eager kernels, and with Inductor under

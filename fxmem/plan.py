@@ -184,6 +184,7 @@ class Plan:
     attention_chunk_rows: str = ""  # query rows per chunk, and how many attention sites
     numerics: str = ""  # how a rewrite changes the results' rounding against eager's (empty: it does not)
     policy: str = ""  # the named policy that decided the plan, and what it did (fxmem.policies); "" for a budget's
+    inner: str = ""  # what runs the planned graphs: "aot_eager" (eager kernels) or "inductor"; "" in older files
     runs_eagerly: bool = False  # PyTorch's own step, which fits the budget below fxmem's keep-all (fxmem.eager_step)
     fallback_ops: tuple[str, ...] = ()  # ops with no FLOP formula, priced by memory traffic (no FLOPs counted)
     priced_as: dict[str, str] = field(default_factory=dict)  # graph op -> the target GPU's kernel priced for it

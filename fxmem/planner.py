@@ -269,7 +269,7 @@ class Planner:
             solver_status=solution.status if solution else "optimal",
             solver_gap=solution.gap if solution else 0.0, solve_time_s=solve_time,
             device=request.device.name, model=request.model, signature=request.signature, capture=request.capture,
-            loss=request.loss,
+            loss=request.loss, inner=request.inner,
             fingerprint=fingerprint, torch_version=torch.__version__,
             breakdown=breakdown(split, self.allocator),
             nodes=node_rows(lowered, costs, set(saved), set(recomputed), set(offloaded)),

@@ -7,7 +7,7 @@ checkpointing's) measured peak, with `inner="aot_eager"` (eager
 kernels) and `inner="inductor"` (where fxmem refuses a budget, at the least it names instead). Peaks are measured by `fxmem.measure` with `allocator=True`: on CPU the larger of MemTracker's
 and the CPU allocator's (the profiler's memory events: Inductor's code allocates where MemTracker does
 not see), on `--device cuda` `torch.cuda.max_memory_allocated`; fxmem's predicted peak and its error
-beside them. Step times are medians of --repeats steps timed
+beside them, and fxmem's predicted step time against the measured one. Step times are medians of --repeats steps timed
 round-robin over every configuration, so a change of load hits each alike.
 
 examples:
@@ -95,7 +95,7 @@ def main():
     print("; ".join(f"{name}: {peak / MiB:.2f} MiB" for name, peak in peaks.items()), flush=True)
     for m in configs.values():
         m.zero_grad(set_to_none=True)
-    predicted, refused = {}, {}
+    predicted, predicted_s, refused = {}, {}, {}
     for name in [n for n in configs if n.startswith("torch.compile budget") or n == "full checkpointing"]:
         for inner in a.inners.split(","):
             label = f"fxmem {inner} at {name}'s peak"
@@ -112,6 +112,7 @@ def main():
                                         time_limit_s=a.time_limit)
                 step_seconds(module, args, kwargs)
             configs[label], predicted[label] = module, module.plan.predicted_peak_bytes
+            predicted_s[label] = module.plan.predicted_step_s
             fused = module.plan.timelines.get("inductor")
             if fused is not None:
                 print(f"{label}: fused estimate {fused.peak / MiB:.2f} MiB", flush=True)
@@ -127,12 +128,14 @@ def main():
     rows = [[name, f"{peaks[name] / MiB:.2f}",
              f"{predicted[name] / MiB:.2f} ({(predicted[name] - peaks[name]) / peaks[name]:+.1%})"
              if name in predicted else "-",
-             f"{statistics.median(times[name]) * 1e3:.1f}", f"{statistics.median(times[name]) / base:.2f}"]
+             f"{statistics.median(times[name]) * 1e3:.1f}", f"{statistics.median(times[name]) / base:.2f}",
+             f"{predicted_s[name] * 1e3:.1f} ({predicted_s[name] / statistics.median(times[name]) - 1:+.0%})"
+             if name in predicted_s else "-"]
             for name in configs]
-    rows += [[name, f"refused: least {least / MiB:.2f}", "-", "-", "-"] for name, least in refused.items()]
+    rows += [[name, f"refused: least {least / MiB:.2f}", "-", "-", "-", "-"] for name, least in refused.items()]
     meter = "MemTracker and the CPU allocator" if on_cpu else "max_memory_allocated"
     print(tabulate(rows, headers=["", f"measured peak MiB ({meter})", "predicted MiB (error)",
-                                  "step ms (median)", "x torch.compile"]))
+                                  "step ms (median)", "x torch.compile", "predicted step ms (error)"]))
     where = torch.cuda.get_device_name() if not on_cpu else "cpu"
     print(f"{a.model}; {where}; torch {torch.__version__}; load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 

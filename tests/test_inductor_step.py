@@ -12,7 +12,7 @@ import torch.nn as nn
 import fxmem
 from fxmem import models
 from fxmem.capture import capture, flat_graph_inputs
-from fxmem.inductor_step import flat_graph, has_cxx_compiler
+from fxmem.inductor_step import default_inner, flat_graph, has_cxx_compiler
 from fxmem.measure import measure_peak_bytes
 from tests.conftest import GIB, assert_trains_like
 
@@ -110,12 +110,14 @@ class Dropouts(nn.Module):
 
 
 @needs_compiler
-def test_inductor_recomputes_dropout_masks_from_the_seeds_forward_drew():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU"))])
+def test_inductor_recomputes_dropout_masks_from_the_seeds_forward_drew(device):
     """Inductor's own random numbers (not fallback_random): each draw is a function of a per-graph seed,
     which the plan keeps, so at the least budget backward recomputes the masks, and they are forward's:
     the gradients are those of the step with forward's masks (read off the returned outputs) fixed."""
     torch.manual_seed(0)
-    model, x = Dropouts(), torch.randn(256, 512)
+    model, x = Dropouts().to(device), torch.randn(256, 512, device=device)
     with pytest.raises(fxmem.InfeasibleBudgetError) as info:
         fxmem.optimize(copy.deepcopy(model), budget_gb=1e-6, inner="inductor", time_limit_s=2)(x)
     optimized = fxmem.optimize(model, budget_gb=info.value.min_budget_bytes * 1.05 / GIB, inner="inductor",
@@ -125,6 +127,7 @@ def test_inductor_recomputes_dropout_masks_from_the_seeds_forward_drew():
     assert any(name.startswith("inductor_random") for name in optimized.plan.recompute)
 
     masks = [o.detach() != 0 for o in outputs]
+    assert 0.4 < masks[0].float().mean().item() < 0.6  # dropout at p=0.5 drew them (later masks: and earlier ones)
     scales = [s.detach().clone().requires_grad_() for s in model.scales]
     h, want = x, []
     for scale, mask in zip(scales, masks):
@@ -135,3 +138,42 @@ def test_inductor_recomputes_dropout_masks_from_the_seeds_forward_drew():
         torch.testing.assert_close(got.grad, expected.grad, atol=1e-3, rtol=1e-4)
     for got, expected in zip(outputs, want):
         torch.testing.assert_close(got.detach(), expected.detach())
+
+
+def test_inductor_is_the_default_on_a_gpu_and_eager_kernels_on_a_cpu():
+    assert default_inner(torch.device("cpu")) == "aot_eager"
+    assert default_inner(torch.device("cuda")) == ("inductor" if has_cxx_compiler() else "aot_eager")
+    assert default_inner(torch.device("cuda"), passes=True) == "aot_eager"  # offload, pool, devices: eager kernels
+    model, inputs = _setup()
+    optimized = fxmem.optimize(model, budget_gb=1.0, time_limit_s=2)
+    optimized(*inputs).backward()
+    assert "inductor" not in optimized.plan.timelines  # planned for eager kernels
+
+
+@needs_compiler
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_model_on_a_gpu_runs_under_inductor_by_default_within_budget():
+    model, (x, y) = _setup()
+    model, inputs = model.cuda(), (x.cuda(), y.cuda())
+    with pytest.raises(fxmem.InfeasibleBudgetError) as info:  # the GPU's workspaces are most of its least
+        fxmem.plan(model, inputs, budget_gb=1e-6)
+    budget = int(1.05 * info.value.min_budget_bytes)
+    reference = copy.deepcopy(model)
+    optimized = fxmem.optimize(model, budget_gb=budget / GIB, time_limit_s=2)
+    assert_trains_like(reference, optimized, inputs, atol=1e-4, rtol=1e-4)
+    assert optimized.plan.inner == "inductor" and "inductor" in optimized.plan.timelines
+    assert measure_peak_bytes(optimized, inputs) <= budget
+
+
+def test_a_given_plan_runs_under_the_inner_it_was_made_for():
+    """A plan is made on the graph of what runs it (Inductor's joint graph differs from eager kernels'):
+    by default a plan runs under the inner it was made for; asked for the other, one line says so."""
+    model, inputs = _setup()
+    plan = fxmem.plan(model, inputs, budget_gb=1.0)
+    assert plan.inner == "aot_eager"
+    optimized = fxmem.optimize(model, plan=plan)
+    optimized(*inputs).backward()
+    assert optimized.plan.inner == "aot_eager"
+    if has_cxx_compiler():
+        with pytest.raises(ValueError, match="plan= was made for inner='aot_eager'"):
+            fxmem.optimize(model, plan=plan, inner="inductor")

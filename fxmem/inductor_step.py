@@ -32,6 +32,7 @@ from fxmem.joint_cache import copy_joint
 
 
 INNERS = ("aot_eager", "inductor")
+FUSED_TRIES = 4  # plans made (each lowered by Inductor) to fit the fused step to a budget
 # Inductor writes a kernel's output in place of an input it reads last where its code generator finds the
 # indexing allows it; the prediction (`fxmem.inductor_memory`) cannot see that decision before code is made,
 # and missed by up to 17% with it on (gpt-tiny; exact with it off), so fxmem's Inductor compiles turn it off.
@@ -145,7 +146,7 @@ class InductorRunner:
                 outputs = step._flat_forward(state, *flat)
             self.tensor_leaves = [c is None for c in step.out_consts]
             if step.planner.plan is None:
-                self._plan_only(flat_graph(step.gm), values)
+                self._plan_fused(flat_graph(step.gm), values)
             return outputs
         tensors = tuple(id(t) for t in state.values())
         if self.inductor is None or tensors != self.state:  # Inductor's code holds the tensors it was made with
@@ -158,13 +159,13 @@ class InductorRunner:
         leaves = self.inductor(*values)
         return [x for x, tensor in zip(leaves, self.tensor_leaves) if tensor]
 
-    def _plan_only(self, gm: torch.fx.GraphModule, fakes: list[Any]) -> None:
-        """The planner's plan for Inductor's joint graph of `gm` (Inductor makes no code), with the step as
-        Inductor fuses it simulated beside (`plan.timelines["inductor"]`, `fxmem.inductor_memory`): an
-        estimate, not the plan's promise, which stays the unfused graph's peak (see docs/compile.md)."""
+    def _plan_at(self, gm: torch.fx.GraphModule, fakes: list[Any], request: Any) -> tuple[Any, Any]:
+        """The planner's plan for Inductor's joint graph of `gm` under `request` (Inductor makes no code), and
+        the step as Inductor runs that plan, simulated (`fxmem.inductor_memory`)."""
         from fxmem.inductor_memory import simulate_fused
 
         planner = self.step.planner
+        planner.request, planner.plan = request, None
         graphs: list[Any] = []
 
         def partition(joint, joint_inputs, **kwargs):
@@ -177,9 +178,57 @@ class InductorRunner:
         except _Planned:
             pass
         fw, bw = graphs
-        fused = simulate_fused(fw, bw, schedule(fw, False), schedule(bw, True), planner.num_fwd_outputs,
-                               planner.allocator)
-        planner.plan = dataclasses.replace(planner.plan, timelines={**planner.plan.timelines, "inductor": fused})
+        return planner.plan, simulate_fused(fw, bw, schedule(fw, False), schedule(bw, True), planner.num_fwd_outputs,
+                                            planner.allocator)
+
+    def _plan_fused(self, gm: torch.fx.GraphModule, fakes: list[Any]) -> None:
+        """The plan whose step, as Inductor fuses it, fits the budget (`_fit_fused`), stating the fused
+        step's peak as its prediction (`timelines["inductor"]`; the unfused graph's stays in
+        `timelines["plan"]`). Without a budget, or under a policy, the fused step is only simulated."""
+        planner = self.step.planner
+        asked = planner.request
+        budget = asked.budget_bytes
+        try:
+            if budget is None or asked.policy is not None:
+                plan, fused = self._plan_at(gm, fakes, asked)
+            else:
+                plan, fused = self._fit_fused(gm, fakes, asked, budget - planner.margin.bytes_for(budget))
+        finally:
+            planner.request = asked
+        planner.plan = dataclasses.replace(plan, budget_bytes=plan.budget_bytes if budget is None else budget,
+                                           predicted_peak_bytes=fused.peak,
+                                           timelines={**plan.timelines, "inductor": fused})
+
+    def _fit_fused(self, gm, fakes, asked, limit: int) -> tuple[Any, Any]:
+        """A plan whose fused step is within `limit` (the budget less the planning margin), and that step.
+        The planner fits the unfused graph to a target (first the budget), the fused step is simulated, and
+        the target moves by what it left over or overshot, for the plan that fits in the least time (at
+        most `FUSED_TRIES` plans, each lowered by Inductor). Below the unfused graph's least, that least is
+        planned; refused, naming the least budget of the fused step there, where nothing fits."""
+        from fxmem.errors import InfeasibleBudgetError
+
+        least = self.step.planner.margin.least_budget
+        target, fits = asked.budget_bytes, []
+        for attempt in range(FUSED_TRIES):
+            if attempt == FUSED_TRIES - 1 and not fits:
+                target = 1  # the last try: the unfused graph's least
+            try:
+                plan, fused = self._plan_at(gm, fakes, dataclasses.replace(asked, budget_bytes=target))
+            except InfeasibleBudgetError as refusal:
+                if target >= refusal.min_budget_bytes:
+                    raise
+                plan, fused = self._plan_at(gm, fakes, dataclasses.replace(asked, budget_bytes=refusal.min_budget_bytes))
+                if fused.peak <= limit:
+                    fits.append((plan, fused))
+                elif not fits:
+                    raise InfeasibleBudgetError(asked.budget_bytes, least(fused.peak), refusal.breakdown) from None
+                break
+            if fused.peak <= limit:
+                fits.append((plan, fused))
+                if not plan.recompute or fused.peak * 1.02 > limit:
+                    break  # nothing recomputed, or the fused step within 2% under the budget
+            target += limit - fused.peak
+        return min(fits, key=lambda fit: fit[0].predicted_step_s)
 
     def _compile(self, gm: torch.fx.GraphModule, fakes: list[Any]) -> Callable[..., Any]:
         """Inductor's code for `gm`, partitioned by the planner: by the plan made while planning (applied
@@ -187,7 +236,7 @@ class InductorRunner:
         planner = self.step.planner
         asked = planner.request
         if planner.plan is None and asked.plan is None:
-            self._plan_only(gm, fakes)
+            self._plan_fused(gm, fakes)
         if planner.plan is not None and asked.plan is None:
             planner.request = dataclasses.replace(asked, plan=planner.plan)
         try:

@@ -61,6 +61,7 @@ def scheduled_graph(nodes: Sequence[Any]) -> ScheduledGraph:
     A buffer a kernel mutates in place keeps its first name (Inductor renames it at each mutation)."""
     from torch._inductor.virtualized import V
 
+    nodes = _run_order(nodes)
     real = dict(nodes[0].scheduler.mutation_real_name) if nodes else {}
     name = lambda n: real.get(n, n)  # noqa: E731
     kernels: list[tuple[list[tuple[str, int]], tuple[str, ...]]] = []
@@ -78,6 +79,21 @@ def scheduled_graph(nodes: Sequence[Any]) -> ScheduledGraph:
         kernels.append((written, tuple(sorted({name(dep.name) for dep in node.read_writes.reads}))))
     return ScheduledGraph(tuple((tuple(w), r) for w, r in kernels),
                           tuple(name(n) for n in V.graph.get_output_names()))
+
+
+def _run_order(nodes: Sequence[Any]) -> list[Any]:
+    """`nodes` (fused) in the order Inductor's code runs them: after the post-fusion pass Inductor
+    reorders them to lower its own estimate of the peak (`config.reorder_for_peak_memory`)."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.memory import reorder_for_peak_memory
+    from torch.utils._ordered_set import OrderedSet
+    from torch._inductor.virtualized import V
+
+    if not nodes or not inductor_config.reorder_for_peak_memory:
+        return list(nodes)
+    scheduler = nodes[0].scheduler
+    return reorder_for_peak_memory(list(nodes), scheduler.name_to_buf, scheduler.name_to_fused_node,
+                                   OrderedSet(V.graph.graph_inputs.keys()), OrderedSet(V.graph.get_output_names()))
 
 
 def _multi_output_parent(buf: Any) -> str | None:

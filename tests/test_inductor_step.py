@@ -67,9 +67,11 @@ def test_inductor_runs_the_plan_within_budget_and_trains_like_eager():
         assert_trains_like(reference, optimized, inputs, atol=1e-4, rtol=1e-4)
     (plan,) = optimized.plans
     assert plan.recompute and plan.predicted_peak_bytes <= budget
-    # MemTracker's view (the tensors dispatch sees): within budget. The CPU allocator's view of Inductor's
-    # own buffers (allocator=True) measured 3.23 MB against this 2.90 MB budget under pytest-xdist and
-    # within it in one process: open, see docs/compile.md.
+    # MemTracker's view (the tensors dispatch sees): within budget. Not the CPU allocator's view of Inductor's
+    # own buffers (allocator=True): the budget bounds the unfused step, and the 2 s solver picks different
+    # plans from run to run (11 to 29 values recomputed); the fused step of some measured 3.23 MB against this
+    # 2.90 MB budget (Inductor fuses the recomputations into one kernel writing six buffers at once). The
+    # fused estimate follows each plan: test_the_fused_estimate_follows_a_planned_net.
     assert measure_peak_bytes(optimized, inputs) <= budget
 
 
@@ -83,6 +85,18 @@ def test_the_fused_estimate_is_the_step_inductor_runs():
     fused = optimized.plan.timelines["inductor"].peak
     assert fused < 0.85 * optimized.plan.predicted_peak_bytes  # fusion removes buffers the unfused graph has
     assert abs(fused - measured) <= 0.02 * measured
+
+
+@needs_compiler
+def test_the_fused_estimate_follows_a_planned_net():
+    """Net (BatchNorm, LayerNorm, a loss) at 0.9x its unfused peak, values recomputed: the simulated fused
+    step against the CPU allocator's peak, whichever plan the time-limited solver picked."""
+    model, inputs = _setup()
+    budget = int(0.9 * fxmem.plan(model, inputs).baseline_peak_bytes)
+    optimized = fxmem.optimize(model, budget_gb=budget / GIB, inner="inductor", time_limit_s=2)
+    measured = measure_peak_bytes(optimized, inputs, allocator=True)
+    assert optimized.plan.recompute
+    assert abs(optimized.plan.timelines["inductor"].peak - measured) <= 0.02 * measured
 
 
 def test_inner_is_checked_in_one_line():

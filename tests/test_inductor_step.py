@@ -67,10 +67,10 @@ def test_inductor_runs_the_plan_within_budget_and_trains_like_eager():
         assert_trains_like(reference, optimized, inputs, atol=1e-4, rtol=1e-4)
     (plan,) = optimized.plans
     assert plan.recompute and plan.predicted_peak_bytes <= budget
-    # MemTracker's view (the tensors dispatch sees): within budget. The CPU allocator's view of Inductor's
-    # own buffers (allocator=True) measured 3.23 MB against this 2.90 MB budget under pytest-xdist and
-    # within it in one process: open, see docs/compile.md.
-    assert measure_peak_bytes(optimized, inputs) <= budget
+    # the step as Inductor runs it, by the CPU allocator (Inductor's buffers are invisible to dispatch modes):
+    # within budget, and the plan's prediction (the fused step's) within 2% of it
+    measured = measure_peak_bytes(optimized, inputs, allocator=True)
+    assert measured <= budget and abs(plan.predicted_peak_bytes - measured) <= 0.02 * measured
 
 
 @needs_compiler
@@ -80,9 +80,10 @@ def test_the_fused_estimate_is_the_step_inductor_runs():
     model, inputs = models.from_name("gpt-tiny", dropout=0.0), tuple(models.example_inputs("gpt-tiny"))
     optimized = fxmem.optimize(model, budget_gb=1.0, inner="inductor", time_limit_s=2)
     measured = measure_peak_bytes(optimized, inputs, allocator=True)
-    fused = optimized.plan.timelines["inductor"].peak
-    assert fused < 0.85 * optimized.plan.predicted_peak_bytes  # fusion removes buffers the unfused graph has
-    assert abs(fused - measured) <= 0.02 * measured
+    plan = optimized.plan
+    assert plan.predicted_peak_bytes == plan.timelines["inductor"].peak  # the plan predicts the fused step
+    assert plan.predicted_peak_bytes < 0.85 * plan.timelines["plan"].peak  # fusion removes buffers the graph has
+    assert abs(plan.predicted_peak_bytes - measured) <= 0.02 * measured
 
 
 def test_inner_is_checked_in_one_line():
@@ -114,14 +115,11 @@ class Dropouts(nn.Module):
     not torch.cuda.is_available(), reason="needs a GPU"))])
 def test_inductor_recomputes_dropout_masks_from_the_seeds_forward_drew(device):
     """Inductor's own random numbers (not fallback_random): each draw is a function of a per-graph seed,
-    which the plan keeps, so at the least budget backward recomputes the masks, and they are forward's:
+    which the plan keeps, so under the least-memory policy backward recomputes the masks, and they are forward's:
     the gradients are those of the step with forward's masks (read off the returned outputs) fixed."""
     torch.manual_seed(0)
     model, x = Dropouts().to(device), torch.randn(256, 512, device=device)
-    with pytest.raises(fxmem.InfeasibleBudgetError) as info:
-        fxmem.optimize(copy.deepcopy(model), budget_gb=1e-6, inner="inductor", time_limit_s=2)(x)
-    optimized = fxmem.optimize(model, budget_gb=info.value.min_budget_bytes * 1.05 / GIB, inner="inductor",
-                               time_limit_s=2)
+    optimized = fxmem.optimize(model, policy="memory", inner="inductor", time_limit_s=2)  # the least memory
     outputs = optimized(x)
     sum(o.pow(2).sum() for o in outputs).backward()
     assert any(name.startswith("inductor_random") for name in optimized.plan.recompute)

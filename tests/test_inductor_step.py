@@ -153,9 +153,9 @@ def test_inductor_is_the_default_on_a_gpu_and_eager_kernels_on_a_cpu():
 def test_a_model_on_a_gpu_runs_under_inductor_by_default_within_budget():
     model, (x, y) = _setup()
     model, inputs = model.cuda(), (x.cuda(), y.cuda())
-    with pytest.raises(fxmem.InfeasibleBudgetError) as info:  # the GPU's workspaces are most of its least
-        fxmem.plan(model, inputs, budget_gb=1e-6)
-    budget = int(1.05 * info.value.min_budget_bytes)
+    with pytest.raises(fxmem.InfeasibleBudgetError) as info:  # the least the fused step is planned for
+        fxmem.optimize(copy.deepcopy(model), budget_gb=1e-6, time_limit_s=2)(*inputs)
+    budget = info.value.min_budget_bytes  # a least that one call names is met by the next
     reference = copy.deepcopy(model)
     optimized = fxmem.optimize(model, budget_gb=budget / GIB, time_limit_s=2)
     assert_trains_like(reference, optimized, inputs, atol=1e-4, rtol=1e-4)

@@ -137,6 +137,7 @@ class InductorRunner:
         self.inductor: Callable[..., Any] | None = None
         self.tensor_leaves: list[bool] = []  # which leaves of the captured graph's output are tensors
         self.state: tuple[int, ...] = ()  # the parameters and buffers Inductor's code was made with
+        self.timer: Any = None  # a KernelTimer for the aten kernels Inductor calls, where the planner calibrates
 
     def __call__(self, state: dict[str, torch.Tensor], *flat: Any) -> list[torch.Tensor]:
         step, values = self.step, list(flat)
@@ -160,9 +161,13 @@ class InductorRunner:
         return [x for x, tensor in zip(leaves, self.tensor_leaves) if tensor]
 
     def _plan_at(self, gm: torch.fx.GraphModule, fakes: list[Any], request: Any) -> tuple[Any, Any]:
-        """The planner's plan for Inductor's joint graph of `gm` under `request` (Inductor makes no code), and
-        the step as Inductor runs that plan, simulated (`fxmem.inductor_memory`)."""
+        """The planner's plan for Inductor's joint graph of `gm` under `request` (Inductor makes no code), with
+        the step as Inductor runs it: its peak and timeline (`timelines["inductor"]`, `fxmem.inductor_memory`)
+        and its time (`fxmem.inductor_time`) as the plan's predictions; the unfused graph's peak stays in
+        `timelines["plan"]`, and the step's time with nothing recomputed moves with the fused one."""
         from fxmem.inductor_memory import simulate_fused
+        from fxmem.inductor_time import step_seconds
+        from fxmem.plan_facts import trained_parameters
 
         planner = self.step.planner
         planner.request, planner.plan = request, None
@@ -170,21 +175,31 @@ class InductorRunner:
 
         def partition(joint, joint_inputs, **kwargs):
             fw, bw = planner(joint, joint_inputs, **kwargs)
-            graphs[:] = [copy_joint(fw), copy_joint(bw)]
+            graphs[:] = [copy_joint(fw), copy_joint(bw), trained_parameters(joint, planner.num_fwd_outputs)]
             raise _Planned
 
         try:
             compile_with_partitioner(gm, fakes, partition)
         except _Planned:
             pass
-        fw, bw = graphs
-        return planner.plan, simulate_fused(fw, bw, schedule(fw, False), schedule(bw, True), planner.num_fwd_outputs,
-                                            planner.allocator)
+        fw, bw, num_parameters = graphs
+        fused_fw, fused_bw = schedule(fw, False), schedule(bw, True)
+        fused = simulate_fused(fw, bw, fused_fw, fused_bw, planner.num_fwd_outputs, planner.allocator)
+        plan = planner.plan
+        if request.calibrate and self.timer is None:
+            from fxmem.kernel_timer import KernelTimer
+
+            self.timer = KernelTimer(next(t.device for t in fakes if isinstance(t, torch.Tensor)))
+        seconds = step_seconds(fused_fw, fused_bw, request.device, num_parameters, self.timer)
+        plan = dataclasses.replace(plan, predicted_peak_bytes=fused.peak, timelines={**plan.timelines, "inductor": fused},
+                                   predicted_step_s=seconds,
+                                   baseline_step_s=max(0.0, seconds - (plan.predicted_step_s - plan.baseline_step_s)))
+        return plan, fused
 
     def _plan_fused(self, gm: torch.fx.GraphModule, fakes: list[Any]) -> None:
-        """The plan whose step, as Inductor fuses it, fits the budget (`_fit_fused`), stating the fused
-        step's peak as its prediction (`timelines["inductor"]`; the unfused graph's stays in
-        `timelines["plan"]`). Without a budget, or under a policy, the fused step is only simulated."""
+        """The plan whose step, as Inductor fuses it, fits the budget (`_fit_fused`), with the fused step's
+        peak and time as its predictions (`_plan_at`). Without a budget, or under a policy, the fused step
+        is only simulated."""
         planner = self.step.planner
         asked = planner.request
         budget = asked.budget_bytes
@@ -195,9 +210,7 @@ class InductorRunner:
                 plan, fused = self._fit_fused(gm, fakes, asked, budget - planner.margin.bytes_for(budget))
         finally:
             planner.request = asked
-        planner.plan = dataclasses.replace(plan, budget_bytes=plan.budget_bytes if budget is None else budget,
-                                           predicted_peak_bytes=fused.peak,
-                                           timelines={**plan.timelines, "inductor": fused})
+        planner.plan = dataclasses.replace(plan, budget_bytes=plan.budget_bytes if budget is None else budget)
 
     def _fit_fused(self, gm, fakes, asked, limit: int) -> tuple[Any, Any]:
         """A plan whose fused step is within `limit` (the budget less the planning margin), and that step.

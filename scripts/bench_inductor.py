@@ -2,7 +2,7 @@
 """fxmem's plan compiled by Inductor, beside torch.compile's own memory budget (the knapsack), on this machine.
 
 For each model: eager, full activation checkpointing (`--full-ac`), `torch.compile` (Inductor) with no budget and with
-`activation_memory_budget` at each --knapsack fraction, then fxmem at each knapsack's (and full
+`activation_memory_budget` at each --knapsack fraction, then fxmem with nothing recomputed and at each knapsack's (and full
 checkpointing's) measured peak, with `inner="aot_eager"` (eager
 kernels) and `inner="inductor"` (where fxmem refuses a budget, at the least it names instead). Peaks are measured by `fxmem.measure` with `allocator=True`: on CPU the larger of MemTracker's
 and the CPU allocator's (the profiler's memory events: Inductor's code allocates where MemTracker does
@@ -13,6 +13,7 @@ round-robin over every configuration, so a change of load hits each alike.
 examples:
   python scripts/bench_inductor.py --model gpt-tiny
   python scripts/bench_inductor.py --model gpt2-hf --knapsack 0.5,0.2 --repeats 5
+  python scripts/bench_inductor.py --model llama-hf --knapsack 0.8,0.5,0.2 --inners inductor
   python scripts/bench_inductor.py --model gpt2-124m --batch 8 --seq 1024 --device cuda --full-ac \
       --knapsack 0.5,0.2 --inners inductor
 """
@@ -45,6 +46,14 @@ def build(name, batch, seq):
                                                use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
         ids = torch.randint(0, 8000, (4, 256))
         return model, (), {"input_ids": ids, "labels": ids}
+    if name == "llama-hf":
+        import transformers as t
+        torch.manual_seed(0)
+        model = t.LlamaForCausalLM(t.LlamaConfig(vocab_size=8000, hidden_size=256, intermediate_size=688,
+                                                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                                 max_position_embeddings=256, use_cache=False))
+        ids = torch.randint(0, 8000, (4, 256))
+        return model, (), {"input_ids": ids, "labels": ids}
     from fxmem import models
     torch.manual_seed(0)
     return models.from_name(name, dropout=0.0), models.example_inputs(name), {}
@@ -63,7 +72,8 @@ def step_seconds(module, args, kwargs):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="gpt-tiny", help="zoo preset, gpt2-hf (transformers GPT-2 4x256, labels=) "
+    p.add_argument("--model", default="gpt-tiny", help="zoo preset, gpt2-hf (transformers GPT-2 4x256, labels=), llama-hf "
+                   "(transformers Llama 4x256, grouped-query attention, labels=) "
                    "or gpt2-124m (GPT-2 small's shape at --batch x --seq, labels=)")
     p.add_argument("--batch", type=int, default=8, help="gpt2-124m only")
     p.add_argument("--seq", type=int, default=1024, help="gpt2-124m only")
@@ -96,11 +106,12 @@ def main():
     for m in configs.values():
         m.zero_grad(set_to_none=True)
     predicted, predicted_s, refused = {}, {}, {}
-    for name in [n for n in configs if n.startswith("torch.compile budget") or n == "full checkpointing"]:
+    at_peaks = [n for n in configs if n.startswith("torch.compile budget") or n == "full checkpointing"]
+    for name in [None] + at_peaks:  # None: a budget nothing needs recomputing for
         for inner in a.inners.split(","):
-            label = f"fxmem {inner} at {name}'s peak"
-            module = fxmem.optimize(copy.deepcopy(model), budget_gb=peaks[name] / 2**30, inner=inner,
-                                    time_limit_s=a.time_limit)
+            label = f"fxmem {inner}, nothing recomputed" if name is None else f"fxmem {inner} at {name}'s peak"
+            module = fxmem.optimize(copy.deepcopy(model), budget_gb=1024 if name is None else peaks[name] / 2**30,
+                                    inner=inner, time_limit_s=a.time_limit)
             try:
                 step_seconds(module, args, kwargs)
             except fxmem.InfeasibleBudgetError as exc:  # planned instead at the least it names

@@ -278,10 +278,10 @@ def _storages(graph: ScheduledGraph, inputs: dict[str, Hashable], phase: str) ->
 
 def _walk(walker: Walker, graph: ScheduledGraph, keys: dict[str, Hashable], phase: str, keep: set[Hashable]
           ) -> None:
-    """Run `graph`'s events in order as Inductor's code does (its in-place reuse of a kernel's input is
-    off: `inductor_step.NO_INPLACE`): a storage is allocated with its buffer, and dies when its last name
-    is dropped, unless in `keep` (what the graph returns, what the step holds); a point of the timeline
-    at each kernel."""
+    """Run `graph`'s events in order as Inductor's code does (a result Inductor writes in place of a dead
+    input or buffer shares its storage): a storage is allocated with its buffer and dies when its last
+    name is dropped, unless in `keep` (what the graph returns, what the step holds); a point of the
+    timeline at each kernel."""
     made = {name for op, name, _ in graph.events if op in ("alloc", "share")}
     names: dict[Hashable, set[str]] = {}  # the names referring to each live storage
     for name, key in keys.items():

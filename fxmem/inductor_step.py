@@ -33,10 +33,6 @@ from fxmem.joint_cache import copy_joint
 
 INNERS = ("aot_eager", "inductor")
 FUSED_TRIES = 4  # plans made (each lowered by Inductor) to fit the fused step to a budget
-# Inductor writes a kernel's output in place of an input it reads last where its code generator finds the
-# indexing allows it; the prediction (`fxmem.inductor_memory`) cannot see that decision before code is made,
-# and missed by up to 17% with it on (gpt-tiny; exact with it off), so fxmem's Inductor compiles turn it off.
-NO_INPLACE = {"inplace_buffers": False}
 
 
 def has_cxx_compiler() -> bool:
@@ -110,10 +106,9 @@ def compile_with_partitioner(gm: torch.fx.GraphModule, example_inputs: Sequence[
 
     with torch._functorch.config.patch(enable_autograd_cache=False), \
             inductor_config.patch(custom_partitioner_fn=FxmemPartitioner(partitioner), fx_graph_cache=False):
-        # config_patches: Inductor applies them to the backward too, which it compiles at backward's first call
         if inner_compile is None:
-            return compile_fx(gm, list(example_inputs), config_patches=NO_INPLACE)
-        return compile_fx(gm, list(example_inputs), inner_compile=inner_compile, config_patches=NO_INPLACE)
+            return compile_fx(gm, list(example_inputs))
+        return compile_fx(gm, list(example_inputs), inner_compile=inner_compile)
 
 
 def flat_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -183,7 +178,8 @@ class InductorRunner:
         except _Planned:
             pass
         fw, bw, num_parameters = graphs
-        fused_fw, fused_bw = schedule(fw, False), schedule(bw, True)
+        fused_fw = schedule(fw, False)
+        fused_bw = schedule(bw, True, donated_inputs(fw, bw, planner.num_fwd_outputs))
         fused = simulate_fused(fw, bw, fused_fw, fused_bw, planner.num_fwd_outputs, planner.allocator)
         plan = planner.plan
         if request.calibrate and self.timer is None:
@@ -262,16 +258,41 @@ class _Planned(Exception):
     """Raised by a plan-only partitioner once the plan is made: stops Inductor before code generation."""
 
 
-def schedule(graph: torch.fx.GraphModule, is_backward: bool) -> Any:
+def schedule(graph: torch.fx.GraphModule, is_backward: bool, donated: Sequence[int] = ()) -> Any:
     """`graph` (a planned forward or backward graph) as Inductor lowers and fuses it: its
-    `fxmem.inductor_memory.ScheduledGraph`; no code is made."""
-    from torch._inductor import config as inductor_config
+    `fxmem.inductor_memory.ScheduledGraph`; no code is made. `donated`: backward's inputs AOTAutograd
+    hands over to it (`donated_inputs`), whose storage Inductor may write a result into."""
+    from unittest import mock
 
     from fxmem.inductor_memory import schedule_only
 
     inputs = [n.meta["val"] for n in graph.graph.find_nodes(op="placeholder")]
     found: list[Any] = []
     mode = detect_fake_mode([x for x in inputs if isinstance(x, torch.Tensor)])
-    with mode if mode is not None else contextlib.nullcontext(), inductor_config.patch(NO_INPLACE):
+    with mode if mode is not None else contextlib.nullcontext(), \
+            mock.patch("torch._inductor.graph.get_donated_idxs", lambda: list(donated) or None):
         schedule_only(found.append)(copy_joint(graph), inputs, is_backward=is_backward)
     return found[0]
+
+
+def donated_inputs(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, num_user_outputs: int) -> list[int]:
+    """The indices of `bw`'s inputs that AOTAutograd donates to Inductor's backward, as it finds them after
+    partitioning (`collect_fw_donated_buffer_idxs`, under `torch._functorch.config.donated_buffer`): the
+    values saved for backward that share no storage with forward's inputs, its user outputs or backward's
+    outputs. Inductor may write a result into their storage (its in-place reuse)."""
+    if not torch._functorch.config.donated_buffer:
+        return []
+    from torch._functorch._aot_autograd.graph_compile import collect_fw_donated_buffer_idxs
+
+    from fxmem.memory import graph_outputs
+
+    def val(node: Any) -> Any:
+        return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+    outputs = graph_outputs(fw)
+    saved = [n for n in outputs[num_user_outputs:] if isinstance(val(n), torch.Tensor)]
+    found = collect_fw_donated_buffer_idxs([val(n) for n in fw.graph.find_nodes(op="placeholder")],
+                                           [val(n) for n in outputs[:num_user_outputs]],
+                                           [val(n) for n in graph_outputs(bw)], [val(n) for n in saved])
+    names = {saved[i].name for i in found}
+    return [i for i, node in enumerate(bw.graph.find_nodes(op="placeholder")) if node.name in names]

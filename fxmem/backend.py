@@ -5,7 +5,8 @@
 Dynamo hands each captured graph to `fxmem_backend`; AOTAutograd traces its joint forward/backward
 graph and `fxmem.planner.Planner` (the same planner `fxmem.plan`/`fxmem.optimize` use) picks what to
 save and what to recompute so the simulated step fits the budget. The forward and backward graphs
-then run through boxed_nop ("aot_eager") or Inductor ("inductor"). Random ops may be recomputed and draw
+then run through boxed_nop ("aot_eager") or Inductor ("inductor"; the plan is then fitted to the step
+as Inductor fuses it, `fxmem.inductor_plan`, and predicts that step's peak and time). Random ops may be recomputed and draw
 the numbers forward drew: eager's kernels replayed from a saved generator state (passes/rng.py), or
 Inductor's own draws recomputed from the per-graph seeds the plan keeps (docs/compile-random.md).
 
@@ -21,6 +22,7 @@ Reads nothing from disk; writes the plans to `plan_out` (one file per graph: `<s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -28,6 +30,8 @@ import warnings
 from typing import Any, Callable, Sequence
 
 import torch
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxmem.budget import budget_bytes
 from fxmem.capture import describe_input
@@ -35,7 +39,8 @@ from fxmem.cost import DeviceSpec, preset_for
 from fxmem.error_boundary import for_dynamo
 from fxmem.errors import GIB, InfeasibleBudgetError, TraceError
 from fxmem.graph_budget import least_plan, saved_cap
-from fxmem.inductor_step import INNERS, compile_with_partitioner, has_cxx_compiler, replays_random
+from fxmem.inductor_plan import FusedPlanning, compile_with_partitioner
+from fxmem.inductor_step import INNERS, has_cxx_compiler, replays_random
 from fxmem.ledger import GraphRecord, Ledger
 from fxmem.plan import Plan
 from fxmem.planner import Planner, PlanRequest
@@ -291,8 +296,22 @@ def _compile_aot_eager(gm, example_inputs, planner: Planner):
 
 def _compile_inductor(gm, example_inputs, planner: Planner):
     """Inductor's own compile_fx pipeline (decompositions, joint-graph passes, compile_fx_inner for the
-    forward and backward graphs) with fxmem's planner as its partitioner."""
-    return compile_with_partitioner(gm, example_inputs, planner)
+    forward and backward graphs) with fxmem's planner as its partitioner. The plan is first fitted, on
+    fake tensors, to the step as Inductor runs it (`fxmem.inductor_plan.FusedPlanning`: the fused step's
+    peak within the budget, and its peak and time the plan's predictions), then applied as it is compiled
+    (recorded once)."""
+    asked = planner.request
+    if asked.plan is None:
+        fakes = list(example_inputs)
+        if detect_fake_mode([x for x in fakes if isinstance(x, torch.Tensor)]) is None:
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+            fakes = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in fakes]
+        FusedPlanning(planner, call=functools.partial(Planner.__call__, planner)).plan(gm, fakes)
+        planner.request = dataclasses.replace(asked, plan=planner.plan)
+    try:
+        return compile_with_partitioner(gm, example_inputs, planner)
+    finally:
+        planner.request = asked
 
 
 fxmem_backend.reset = reset  # type: ignore[attr-defined]  # called by torch._dynamo.reset()

@@ -90,10 +90,13 @@ def test_inductor_below_eager_peak(tmp_path):
                "plan_out": str(tmp_path / "plan.json")}
     compiled = _compiled(model, options)
     assert_trains_like(reference, compiled, inputs, atol=1e-4, rtol=1e-4)
-    (plan,) = plans_for(options)
+    (plan,) = plans_for(options)  # fitted to the fused step, recorded once
     assert plan.recompute and plan.predicted_peak_bytes <= budget
+    assert plan.predicted_peak_bytes == plan.timelines["inductor"].peak  # the plan predicts the fused step
     assert fxmem.Plan.load(plan_path(tmp_path / "plan.json", 0)) == plan
-    assert measure_peak_bytes(compiled, inputs) <= budget
+    # the CPU allocator sees Inductor's buffers (MemTracker does not): within budget, the prediction within 2%
+    measured = measure_peak_bytes(compiled, inputs, allocator=True)
+    assert measured <= budget and abs(plan.predicted_peak_bytes - measured) <= 0.02 * measured
 
 
 class TwoHalves(nn.Module):

@@ -1,0 +1,203 @@
+"""Planning for Inductor: Inductor's own pipeline (`compile_fx`) with fxmem's planner as its partitioner,
+and the plan fitted to the step as Inductor runs it.
+
+`compile_with_partitioner` compiles a captured graph with a planner splitting Inductor's joint graph
+(Inductor's joint-graph passes run first). `FusedPlanning` plans on fake tensors and stops Inductor once
+the planned forward and backward graphs exist; each is then lowered and fused by Inductor, its code
+generated and nothing compiled (`schedule`), and the step as that code runs it is simulated
+(`fxmem.inductor_memory`) and priced (`fxmem.inductor_time`). The planner's target moves until the fused
+step fits the budget (`FusedPlanning.fit`). Used by `fxmem.inductor_step` (`fxmem.optimize`) and by the
+torch.compile backend.
+
+Reads a captured graph and fake inputs; sets the planner's `plan`; writes nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx
+from torch._guards import detect_fake_mode
+
+from fxmem.joint_cache import copy_joint
+
+FUSED_TRIES = 4  # plans made (each lowered by Inductor) to fit the fused step to a budget
+
+
+class _InductorPartitioner:
+    """Wraps the planner as Inductor's `custom_partitioner_fn` (Inductor's joint-graph passes run first)."""
+
+    def __init__(self, planner: Callable[..., Any]):
+        self.planner = planner
+
+    def __call__(self, gm, joint_inputs, **kwargs):
+        kwargs.pop("compiler", None)
+        return self.planner(gm, joint_inputs, **kwargs)
+
+    def __deepcopy__(self, memo):
+        # Inductor deep-copies its config to write repro strings; the planner holds the step's graphs
+        # and plans (fake tensors under dynamic shapes), which neither need nor allow a copy.
+        return self
+
+    def uuid(self) -> Any:
+        return None  # never cache: the plan depends on the budget and on the other graphs
+
+
+def compile_with_partitioner(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                             partitioner: Callable[..., Any], inner_compile: Callable[..., Any] | None = None
+                             ) -> Callable[..., Any]:
+    """Inductor's compile_fx pipeline for `gm`, with `partitioner` (fxmem's planner) splitting the joint
+    graph into forward and backward; caches off, since a plan depends on the budget, not only the graph."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    class FxmemPartitioner(_InductorPartitioner, CustomPartitionerFn):
+        pass
+
+    with torch._functorch.config.patch(enable_autograd_cache=False), \
+            inductor_config.patch(custom_partitioner_fn=FxmemPartitioner(partitioner), fx_graph_cache=False):
+        if inner_compile is None:
+            return compile_fx(gm, list(example_inputs))
+        return compile_fx(gm, list(example_inputs), inner_compile=inner_compile)
+
+
+class FusedPlanning:
+    """Plans with `planner` for Inductor (`plan`), fitting the fused step to the budget. `call`: how the
+    planner is called as a partitioner while fitting (the planner itself unless told: the torch.compile
+    backend's records only the plan it compiles)."""
+
+    def __init__(self, planner: Any, call: Callable[..., Any] | None = None):
+        self.planner = planner
+        self.call = call or planner
+        self.timer: Any = None  # a KernelTimer for the aten kernels Inductor calls, where the planner calibrates
+
+    def plan_at(self, gm: torch.fx.GraphModule, fakes: list[Any], request: Any) -> tuple[Any, Any]:
+        """The planner's plan for Inductor's joint graph of `gm` under `request` (Inductor makes no code), with
+        the step as Inductor runs it: its peak and timeline (`timelines["inductor"]`, `fxmem.inductor_memory`)
+        and its time (`fxmem.inductor_time`) as the plan's predictions; the unfused graph's peak stays in
+        `timelines["plan"]`, and the step's time with nothing recomputed moves with the fused one."""
+        from fxmem.inductor_memory import simulate_fused
+        from fxmem.inductor_time import step_seconds
+        from fxmem.plan_facts import trained_parameters
+
+        planner = self.planner
+        planner.request, planner.plan = request, None
+        graphs: list[Any] = []
+
+        def partition(joint, joint_inputs, **kwargs):
+            fw, bw = self.call(joint, joint_inputs, **kwargs)
+            graphs[:] = [copy_joint(fw), copy_joint(bw), trained_parameters(joint, planner.num_fwd_outputs)]
+            raise _Planned
+
+        try:
+            compile_with_partitioner(gm, fakes, partition)
+        except _Planned:
+            pass
+        fw, bw, num_parameters = graphs
+        fused_fw = schedule(fw, False)
+        fused_bw = schedule(bw, True, donated_inputs(fw, bw, planner.num_fwd_outputs))
+        fused = simulate_fused(fw, bw, fused_fw, fused_bw, planner.num_fwd_outputs, planner.allocator)
+        plan = planner.plan
+        if request.calibrate and self.timer is None:
+            from fxmem.kernel_timer import KernelTimer
+
+            self.timer = KernelTimer(next(t.device for t in fakes if isinstance(t, torch.Tensor)))
+        seconds = step_seconds(fused_fw, fused_bw, request.device, num_parameters, self.timer)
+        plan = dataclasses.replace(plan, predicted_peak_bytes=fused.peak, timelines={**plan.timelines, "inductor": fused},
+                                   predicted_step_s=seconds,
+                                   baseline_step_s=max(0.0, seconds - (plan.predicted_step_s - plan.baseline_step_s)))
+        return plan, fused
+
+    def plan(self, gm: torch.fx.GraphModule, fakes: list[Any]) -> None:
+        """The plan whose step, as Inductor fuses it, fits the budget (`_fit_fused`), with the fused step's
+        peak and time as its predictions (`_plan_at`). Without a budget, or under a policy, the fused step
+        is only simulated."""
+        planner = self.planner
+        asked = planner.request
+        budget = asked.budget_bytes
+        try:
+            if budget is None or asked.policy is not None:
+                plan, fused = self.plan_at(gm, fakes, asked)
+            else:
+                plan, fused = self.fit(gm, fakes, asked, budget - planner.margin.bytes_for(budget))
+        finally:
+            planner.request = asked
+        planner.plan = dataclasses.replace(plan, budget_bytes=plan.budget_bytes if budget is None else budget)
+
+    def fit(self, gm, fakes, asked, limit: int) -> tuple[Any, Any]:
+        """A plan whose fused step is within `limit` (the budget less the planning margin), and that step.
+        The planner fits the unfused graph to a target (first the budget), the fused step is simulated, and
+        the target moves by what it left over or overshot, for the plan that fits in the least time (at
+        most `FUSED_TRIES` plans, each lowered by Inductor). Below the unfused graph's least, that least is
+        planned; refused, naming the least budget of the fused step there, where nothing fits."""
+        from fxmem.errors import InfeasibleBudgetError
+
+        least = self.planner.margin.least_budget
+        target, fits = asked.budget_bytes, []
+        for attempt in range(FUSED_TRIES):
+            if attempt == FUSED_TRIES - 1 and not fits:
+                target = 1  # the last try: the unfused graph's least
+            try:
+                plan, fused = self.plan_at(gm, fakes, dataclasses.replace(asked, budget_bytes=target))
+            except InfeasibleBudgetError as refusal:
+                if target >= refusal.min_budget_bytes:
+                    raise
+                plan, fused = self.plan_at(gm, fakes, dataclasses.replace(asked, budget_bytes=refusal.min_budget_bytes))
+                if fused.peak <= limit:
+                    fits.append((plan, fused))
+                elif not fits:
+                    raise InfeasibleBudgetError(asked.budget_bytes, least(fused.peak), refusal.breakdown) from None
+                break
+            if fused.peak <= limit:
+                fits.append((plan, fused))
+                if not plan.recompute or fused.peak * 1.02 > limit:
+                    break  # nothing recomputed, or the fused step within 2% under the budget
+            target += limit - fused.peak
+        return min(fits, key=lambda fit: fit[0].predicted_step_s)
+
+
+class _Planned(Exception):
+    """Raised by a plan-only partitioner once the plan is made: stops Inductor before code generation."""
+
+
+def schedule(graph: torch.fx.GraphModule, is_backward: bool, donated: Sequence[int] = ()) -> Any:
+    """`graph` (a planned forward or backward graph) as Inductor lowers and fuses it: its
+    `fxmem.inductor_memory.ScheduledGraph`; no code is made. `donated`: backward's inputs AOTAutograd
+    hands over to it (`donated_inputs`), whose storage Inductor may write a result into."""
+    from unittest import mock
+
+    from fxmem.inductor_memory import schedule_only
+
+    inputs = [n.meta["val"] for n in graph.graph.find_nodes(op="placeholder")]
+    found: list[Any] = []
+    mode = detect_fake_mode([x for x in inputs if isinstance(x, torch.Tensor)])
+    with mode if mode is not None else contextlib.nullcontext(), \
+            mock.patch("torch._inductor.graph.get_donated_idxs", lambda: list(donated) or None):
+        schedule_only(found.append)(copy_joint(graph), inputs, is_backward=is_backward)
+    return found[0]
+
+
+def donated_inputs(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, num_user_outputs: int) -> list[int]:
+    """The indices of `bw`'s inputs that AOTAutograd donates to Inductor's backward, as it finds them after
+    partitioning (`collect_fw_donated_buffer_idxs`, under `torch._functorch.config.donated_buffer`): the
+    values saved for backward that share no storage with forward's inputs, its user outputs or backward's
+    outputs. Inductor may write a result into their storage (its in-place reuse)."""
+    if not torch._functorch.config.donated_buffer:
+        return []
+    from torch._functorch._aot_autograd.graph_compile import collect_fw_donated_buffer_idxs
+
+    from fxmem.memory import graph_outputs
+
+    def val(node: Any) -> Any:
+        return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+    outputs = graph_outputs(fw)
+    saved = [n for n in outputs[num_user_outputs:] if isinstance(val(n), torch.Tensor)]
+    found = collect_fw_donated_buffer_idxs([val(n) for n in fw.graph.find_nodes(op="placeholder")],
+                                           [val(n) for n in outputs[:num_user_outputs]],
+                                           [val(n) for n in graph_outputs(bw)], [val(n) for n in saved])
+    names = {saved[i].name for i in found}
+    return [i for i, node in enumerate(bw.graph.find_nodes(op="placeholder")) if node.name in names]

@@ -130,32 +130,39 @@ class FusedPlanning:
     def fit(self, gm, fakes, asked, limit: int) -> tuple[Any, Any]:
         """A plan whose fused step is within `limit` (the budget less the planning margin), and that step.
         The planner fits the unfused graph to a target (first the budget), the fused step is simulated, and
-        the target moves by what it left over or overshot, for the plan that fits in the least time (at
-        most `FUSED_TRIES` plans, each lowered by Inductor). Below the unfused graph's least, that least is
-        planned; refused, naming the least budget of the fused step there, where nothing fits."""
+        the target moves by what it left over or overshot (at most `FUSED_TRIES` plans, each lowered by
+        Inductor); below the unfused graph's least, that least is planned. Where those plans recompute, the
+        plan Inductor's own partitioner would make is tried too (`policies.FUSIBLE`: every pointwise op
+        recomputed, the rest kept), which the unfused graph prices too high. Of the plans that fit, the
+        one predicted fastest; refused, naming the least budget of the fused steps tried, where none fits."""
         from fxmem.errors import InfeasibleBudgetError
+        from fxmem.policies import FUSIBLE
 
-        least = self.planner.margin.least_budget
-        target, fits = asked.budget_bytes, []
+        target, fits, over, refusal = asked.budget_bytes, [], [], None
         for attempt in range(FUSED_TRIES):
             if attempt == FUSED_TRIES - 1 and not fits:
                 target = 1  # the last try: the unfused graph's least
             try:
                 plan, fused = self.plan_at(gm, fakes, dataclasses.replace(asked, budget_bytes=target))
-            except InfeasibleBudgetError as refusal:
-                if target >= refusal.min_budget_bytes:
+            except InfeasibleBudgetError as refused:
+                if target >= refused.min_budget_bytes:
                     raise
-                plan, fused = self.plan_at(gm, fakes, dataclasses.replace(asked, budget_bytes=refusal.min_budget_bytes))
-                if fused.peak <= limit:
-                    fits.append((plan, fused))
-                elif not fits:
-                    raise InfeasibleBudgetError(asked.budget_bytes, least(fused.peak), refusal.breakdown) from None
+                refusal = refused
+                plan, fused = self.plan_at(gm, fakes, dataclasses.replace(asked, budget_bytes=refused.min_budget_bytes))
+                (fits if fused.peak <= limit else over).append((plan, fused))
                 break
             if fused.peak <= limit:
                 fits.append((plan, fused))
                 if not plan.recompute or fused.peak * 1.02 > limit:
                     break  # nothing recomputed, or the fused step within 2% under the budget
             target += limit - fused.peak
+        if all(plan.recompute for plan, _ in fits):
+            plan, fused = self.plan_at(gm, fakes, dataclasses.replace(asked, budget_bytes=None, policy=FUSIBLE))
+            (fits if fused.peak <= limit else over).append((plan, fused))
+        if not fits:
+            least = min(fused.peak for _, fused in over)
+            raise InfeasibleBudgetError(asked.budget_bytes, self.planner.margin.least_budget(least),
+                                        refusal.breakdown if refusal is not None else {}) from None
         return min(fits, key=lambda fit: fit[0].predicted_step_s)
 
 

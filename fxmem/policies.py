@@ -11,6 +11,8 @@ then simulates, prices and reports like any other (`fxmem.planner`). Writes noth
   its inputs and recomputes inside; the other blocks and everything outside the blocks keep all.
 - "sqrt": the L blocks in segments of round(sqrt(L)), each segment checkpointed as one call (Chen et
   al.'s sqrt(L) checkpoints, `torch.utils.checkpoint.checkpoint_sequential`).
+- "fusible" (`FUSIBLE`, planned by `fxmem.inductor_plan` beside a budget's plan, not named by users):
+  every pointwise op recomputed, as Inductor fuses it into the kernel that reads it, the rest kept.
 - "whole-step": the whole step as one checkpointed call (`checkpoint(model, x)`): the inputs kept,
   everything else recomputed. For a step that runs many times with its saved values held (one block
   of an FSDP2 rank, `fxmem.fsdp`): it saves the least for backward.
@@ -27,10 +29,10 @@ from typing import Any, Iterable, Sequence
 
 import torch.fx
 
-from fxmem.cost import module_path
+from fxmem.cost import is_pointwise, module_path
 from fxmem.errors import FxmemError, fmt_bytes, gb_at_least
 from fxmem.margin import margin_for
-from fxmem.problem import MemoryProblem
+from fxmem.problem import MemoryProblem, repair
 from fxmem.solve.recompute.checkpoint import checkpoint_units
 
 # the policies `fxmem.estimate(..., policies=True)` and docs/policies.md compare, least recompute first
@@ -51,8 +53,13 @@ class Policy:
 
     @property
     def checkpoints(self) -> bool:
-        """The policy recomputes inside blocks (the others keep all, or search the least)."""
-        return self.every_n > 0 or self.name in ("sqrt", "whole-step")
+        """The policy decides what is recomputed (the others keep all, or search the least)."""
+        return self.every_n > 0 or self.name in ("sqrt", "whole-step", FUSIBLE.name)
+
+
+# Inductor's own choice, as its partitioner makes it: every pointwise op recomputed (Inductor fuses it into the
+# kernel that reads it), the rest kept. Not a user's policy: `fxmem.inductor_plan` plans it beside a budget's.
+FUSIBLE = Policy("fusible")
 
 
 def valid_names() -> str:
@@ -157,6 +164,9 @@ def policy_recompute(policy: Policy, problem: MemoryProblem, nodes: Sequence[tor
                      forward: Iterable[torch.fx.Node], model: str = "the model") -> tuple[frozenset[int], str]:
     """The recompute set of a checkpointing policy on the problem's candidates (`nodes`, their joint-graph
     nodes; `forward`: every forward node of the joint graph), and the plan's description of it."""
+    if policy.name == FUSIBLE.name:
+        chosen = [i for i, node in enumerate(nodes) if problem.can_recompute[i] and is_pointwise(node)]
+        return repair(problem, chosen), "fusible: every pointwise op recomputed (fused by Inductor), the rest kept"
     module_of = {n.name: module_path(n) for n in forward}
     blocks = ("",) if policy.name == "whole-step" else find_blocks(module_of.values())
     if not blocks:

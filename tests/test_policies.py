@@ -214,3 +214,23 @@ def test_sqrt_segments_round_the_square_root():
     blocks = tuple(f"h.{k}" for k in range(12))
     segments = set(units_of(parse_policy("sqrt"), blocks).values())
     assert len(segments) == math.ceil(12 / round(math.sqrt(12)))
+
+
+def test_fusible_recomputes_the_pointwise_ops_and_keeps_the_rest(gpt):
+    """Inductor's partitioner's choice (`FUSIBLE`, planned beside a budget's plan under Inductor): every
+    pointwise op backward needs is recomputed, matmuls, reductions and attention are kept, and training
+    matches eager."""
+    from fxmem.policies import FUSIBLE
+
+    model, inputs = gpt
+    plan = fxmem.plan(copy.deepcopy(model), inputs, policy=FUSIBLE)
+    pointwise = {"add", "mul", "sub", "div", "gelu", "tanh", "rsqrt", "pow", "neg", "exp"}
+    decided = {row.name: (row.op.split(".")[0], row.decision) for row in plan.nodes}
+    recomputed = {op for op, decision in decided.values() if decision == "recompute"}
+    saved = {op for op, decision in decided.values() if decision == "save"}
+    assert recomputed and recomputed & pointwise and not recomputed & {"mm", "addmm", "bmm", "var_mean"}
+    assert not saved & pointwise - {"add"}  # what backward reads of the pointwise ops is recomputed (a sum's
+    # inputs may be saved in its place)
+    assert plan.predicted_peak_bytes < plan.baseline_peak_bytes
+    optimized = fxmem.optimize(copy.deepcopy(model), plan=plan)
+    assert_trains_like(copy.deepcopy(model), optimized, inputs)

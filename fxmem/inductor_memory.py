@@ -96,6 +96,10 @@ def scheduled_graph(nodes: Sequence[Any]) -> ScheduledGraph:
         code.run_wrapper_ir_passes(is_inference=False)
     runs = tuple(getattr(w, kind) for kind in ("KernelCallLine", "ExternKernelOutLine", "ExternKernelMultiOutLine",
                                                "IndexPutFallbackLine", "ScatterFallbackLine") if hasattr(w, kind))
+    # line kinds a torch release may lack (none is then an instance of it)
+    allocate, reuse, reinterpret, free_unless_reused, free, extern_alloc = (
+        getattr(w, kind, _NoSuchLine) for kind in ("AllocateLine", "ReuseLine", "ReinterpretLine",
+                                                  "FreeIfNotReusedLine", "FreeLine", "ExternKernelAllocLine"))
     parts: dict[str, list[Any]] = {}  # a multi-output aten kernel's tuple -> its parts, allocated by the kernel
     for buf in V.graph.buffers:
         parent = _multi_output_parent(buf)
@@ -104,18 +108,18 @@ def scheduled_graph(nodes: Sequence[Any]) -> ScheduledGraph:
     events: list[tuple[str, str, Any]] = []
     for line in code.lines:
         node = getattr(line, "node", None)
-        if isinstance(line, (w.AllocateLine, w.ReuseLine, w.ReinterpretLine, w.FreeIfNotReusedLine, w.FreeLine)) \
+        if isinstance(line, (allocate, reuse, reinterpret, free_unless_reused, free)) \
                 and node.get_name() in removed:
             continue
-        if isinstance(line, w.AllocateLine):
+        if isinstance(line, allocate):
             events.append(("alloc", name(node.get_name()), _node_bytes(node)))
-        elif isinstance(line, (w.ReuseLine, w.ReinterpretLine)):
+        elif isinstance(line, (reuse, reinterpret)):
             events.append(("share", name(line.reused_as.get_name()), name(node.get_name())))
-            if isinstance(line, w.ReuseLine) and line.delete_old:
+            if isinstance(line, reuse) and getattr(line, "delete_old", True):
                 events.append(("free", name(node.get_name()), None))
-        elif isinstance(line, w.FreeIfNotReusedLine) and not line.is_reused or isinstance(line, w.FreeLine):
+        elif isinstance(line, free_unless_reused) and not line.is_reused or isinstance(line, free):
             events.append(("free", name(node.get_name()), None))
-        elif isinstance(line, w.ExternKernelAllocLine):
+        elif isinstance(line, extern_alloc):
             label = name(node.get_name())
             aliased = node.get_inputs_that_alias_output() if hasattr(node, "get_inputs_that_alias_output") else ()
             if aliased:
@@ -139,6 +143,10 @@ def scheduled_graph(nodes: Sequence[Any]) -> ScheduledGraph:
             work.append(done)
         joins = cpp
     return ScheduledGraph(tuple(events), tuple(name(n) for n in V.graph.get_output_names()), tuple(work))
+
+
+class _NoSuchLine:
+    """Stands for a wrapper line kind this torch release does not have."""
 
 
 def _work(node: Any) -> KernelWork:

@@ -94,12 +94,11 @@ def scheduled_graph(nodes: Sequence[Any]) -> ScheduledGraph:
     code, removed = V.graph.wrapper_code, V.graph.removed_buffers
     if inductor_config.allow_buffer_reuse and hasattr(code, "run_wrapper_ir_passes"):
         code.run_wrapper_ir_passes(is_inference=False)
-    runs = tuple(getattr(w, kind) for kind in ("KernelCallLine", "ExternKernelOutLine", "ExternKernelMultiOutLine",
-                                               "IndexPutFallbackLine", "ScatterFallbackLine") if hasattr(w, kind))
-    # line kinds a torch release may lack (none is then an instance of it)
-    allocate, reuse, reinterpret, free_unless_reused, free, extern_alloc = (
-        getattr(w, kind, _NoSuchLine) for kind in ("AllocateLine", "ReuseLine", "ReinterpretLine",
-                                                  "FreeIfNotReusedLine", "FreeLine", "ExternKernelAllocLine"))
+    kind = lambda name: getattr(w, name, _NoSuchLine)  # noqa: E731  # a kind a torch release may lack
+    runs = tuple(map(kind, ("KernelCallLine", "ExternKernelOutLine", "ExternKernelMultiOutLine", "IndexPutFallbackLine",
+                            "ScatterFallbackLine")))
+    allocate, reuse, reinterpret, free_unless_reused, free, extern_alloc = map(kind, (
+        "AllocateLine", "ReuseLine", "ReinterpretLine", "FreeIfNotReusedLine", "FreeLine", "ExternKernelAllocLine"))
     parts: dict[str, list[Any]] = {}  # a multi-output aten kernel's tuple -> its parts, allocated by the kernel
     for buf in V.graph.buffers:
         parent = _multi_output_parent(buf)

@@ -46,8 +46,7 @@ class _InductorPartitioner:
 
 
 def compile_with_partitioner(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
-                             partitioner: Callable[..., Any], inner_compile: Callable[..., Any] | None = None
-                             ) -> Callable[..., Any]:
+                             partitioner: Callable[..., Any]) -> Callable[..., Any]:
     """Inductor's compile_fx pipeline for `gm`, with `partitioner` (fxmem's planner) splitting the joint
     graph into forward and backward; caches off, since a plan depends on the budget, not only the graph."""
     from torch._inductor import config as inductor_config
@@ -59,9 +58,7 @@ def compile_with_partitioner(gm: torch.fx.GraphModule, example_inputs: Sequence[
 
     with torch._functorch.config.patch(enable_autograd_cache=False), \
             inductor_config.patch(custom_partitioner_fn=FxmemPartitioner(partitioner), fx_graph_cache=False):
-        if inner_compile is None:
-            return compile_fx(gm, list(example_inputs))
-        return compile_fx(gm, list(example_inputs), inner_compile=inner_compile)
+        return compile_fx(gm, list(example_inputs))
 
 
 class FusedPlanning:
@@ -106,8 +103,8 @@ class FusedPlanning:
 
             self.timer = KernelTimer(next(t.device for t in fakes if isinstance(t, torch.Tensor)))
         seconds = step_seconds(fused_fw, fused_bw, request.device, num_parameters, self.timer)
-        plan = dataclasses.replace(plan, predicted_peak_bytes=fused.peak, timelines={**plan.timelines, "inductor": fused},
-                                   predicted_step_s=seconds,
+        plan = dataclasses.replace(plan, predicted_peak_bytes=fused.peak, predicted_step_s=seconds,
+                                   timelines={**plan.timelines, "inductor": fused},
                                    baseline_step_s=max(0.0, seconds - (plan.predicted_step_s - plan.baseline_step_s)))
         return plan, fused
 

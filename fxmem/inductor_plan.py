@@ -126,9 +126,10 @@ class FusedPlanning:
 
     def fit(self, gm, fakes, asked, limit: int) -> tuple[Any, Any]:
         """A plan whose fused step is within `limit` (the budget less the planning margin), and that step.
-        The planner fits the unfused graph to a target (first the budget), the fused step is simulated, and
-        the target moves by what it left over or overshot (at most `FUSED_TRIES` plans, each lowered by
-        Inductor); below the unfused graph's least, that least is planned. Where those plans recompute, the
+        The planner fits its problem to a target (first the budget; below the planner's least, that least),
+        the fused step is simulated, and the target moves down by what it overshot or up by what it left
+        (at least 5%, doubling, within the targets tried: at most `FUSED_TRIES` plans, each lowered by
+        Inductor). Where those plans recompute, the
         plan Inductor's own partitioner would make is tried too (`policies.FUSIBLE`: every pointwise op
         recomputed, the rest kept), which the unfused graph prices too high. Of the plans that fit, the
         one predicted fastest; refused, naming the least budget of the fused steps tried, where none fits."""
@@ -136,23 +137,37 @@ class FusedPlanning:
         from fxmem.policies import FUSIBLE
 
         target, fits, over, refusal = asked.budget_bytes, [], [], None
+        fitted = missed = None  # the largest target whose fused step fit; the least whose did not
+        rise = 0
         for attempt in range(FUSED_TRIES):
             if attempt == FUSED_TRIES - 1 and not fits:
-                target = 1  # the last try: the unfused graph's least
+                target = 1  # the last try: the planner's least
             try:
                 plan, fused = self.plan_at(gm, fakes, dataclasses.replace(asked, budget_bytes=target))
             except InfeasibleBudgetError as refused:
                 if target >= refused.min_budget_bytes:
                     raise
-                refusal = refused
-                plan, fused = self.plan_at(gm, fakes, dataclasses.replace(asked, budget_bytes=refused.min_budget_bytes))
-                (fits if fused.peak <= limit else over).append((plan, fused))
-                break
+                refusal, target = refused, refused.min_budget_bytes  # its least, planned instead
+                plan, fused = self.plan_at(gm, fakes, dataclasses.replace(asked, budget_bytes=target))
             if fused.peak <= limit:
                 fits.append((plan, fused))
-                if not plan.recompute or fused.peak * 1.02 > limit:
-                    break  # nothing recomputed, or the fused step within 2% under the budget
-            target += limit - fused.peak
+                if not plan.recompute or fused.peak * 1.005 > limit:
+                    break  # nothing recomputed, or the fused step just under the budget
+                # the fused peak follows the target loosely (fusion frees more of a plan that recomputes
+                # pointwise ops than the planner counts): rise by the room left, growing, at least 5%
+                fitted, rise = max(fitted or 0, target), max(limit - fused.peak, 2 * rise, target // 20)
+                step = target + rise
+                if missed is not None:
+                    step = min(step, (target + missed) // 2)
+            else:
+                over.append((plan, fused))
+                missed = min(missed or target, target)
+                step = target + limit - fused.peak
+                if fitted is not None:
+                    step = max(step, (fitted + target) // 2)
+            if step == target or refusal is not None and step < refusal.min_budget_bytes:
+                break  # no other plan to try (below the planner's least: planned already)
+            target = step
         if all(plan.recompute for plan, _ in fits):
             plan, fused = self.plan_at(gm, fakes, dataclasses.replace(asked, budget_bytes=None, policy=FUSIBLE))
             (fits if fused.peak <= limit else over).append((plan, fused))

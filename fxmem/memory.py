@@ -145,10 +145,16 @@ class Walker:
                            + self.allocator.held(phase))
 
     def walk(self, nodes: Sequence[torch.fx.Node], phase: str, *, keep: set[Hashable],
-             counted_users: Any = None) -> None:
-        """Run `nodes` in order; a storage dies after the last (counted) use of every node referring to it."""
+             counted_users: Any = None, inlined: frozenset[str] = frozenset()) -> None:
+        """Run `nodes` in order; a storage dies after the last (counted) use of every node referring to it.
+        A node named in `inlined` is computed inside the kernels that read it (Inductor's fusion): it holds
+        no storage of its own, and refers to its inputs' storages, which so live until its readers ran."""
         position = {n: i for i, n in enumerate(nodes)}
         storages = [storages_of(node) for node in nodes]
+        for i, node in enumerate(nodes):
+            if node.name in inlined:
+                storages[i] = {k: b for n in node.all_input_nodes
+                               for k, b in (storages[position[n]] if n in position else storages_of(n)).items()}
         death: dict[Hashable, int] = {}
         for i, node in enumerate(nodes):
             users = [u for u in node.users if u in position and (counted_users is None or counted_users(u))]
@@ -195,12 +201,13 @@ def _keys(nodes: Iterable[Any]) -> set[Hashable]:
 
 
 def simulate_step(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, num_user_outputs: int,
-                  allocator: AllocatorModel = EXACT) -> MemoryTimeline:
+                  allocator: AllocatorModel = EXACT, inlined: frozenset[str] = frozenset()) -> MemoryTimeline:
     """Simulate forward graph `fw` then backward graph `bw` as AOTAutograd runs them.
 
     fw returns `num_user_outputs` values for the caller (mutated buffers, model outputs), then the
     values saved for backward; bw takes those saved values and the tangents and returns gradients.
-    `allocator`: what the device's allocator holds beside the tensors (default: nothing).
+    `allocator`: what the device's allocator holds beside the tensors (default: nothing). `inlined`:
+    backward's recomputed nodes that Inductor computes inside their readers (see `Walker.walk`).
     """
     static = {}
     for node in _placeholders(fw):
@@ -212,5 +219,5 @@ def simulate_step(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, num_user_o
     walker.walk(list(fw.graph.nodes), "forward", keep=returned)
     walker.retain(returned)
     grads = _keys(graph_outputs(bw))
-    walker.walk(list(bw.graph.nodes), "backward", keep=held_by_user | grads)
+    walker.walk(list(bw.graph.nodes), "backward", keep=held_by_user | grads, inlined=inlined)
     return walker.timeline()

@@ -180,7 +180,8 @@ class Planner:
         # GPU's: CUDA's seed and offset, on the host, not the 5056 bytes of a CPU generator where traced there)
         replay_random_ops(fw, bw, for_gpu=self.request.device.gpu)
         fw, bw = self._offload(fw, bw, [lowered.nodes[i].name for i in sorted(offloaded)])
-        return _Candidate(recompute, fw, bw, simulate_step(fw, bw, self.num_fwd_outputs, self.allocator),
+        inlined = frozenset(lowered.nodes[i].name for i in recompute if lowered.problem.inlined(i))
+        return _Candidate(recompute, fw, bw, simulate_step(fw, bw, self.num_fwd_outputs, self.allocator, inlined),
                           frozenset(offloaded))
 
     def _make_plan(self, joint: torch.fx.GraphModule, fingerprint: str) -> Plan:
@@ -223,7 +224,8 @@ class Planner:
                          fused=request.inner == "inductor")
         self._price_copies(costs)
         self.allocator = AllocatorModel.for_device(request.device).holding(*request.held_bytes)
-        lowered = build_problem(joint, split, costs, budget or 0, self.allocator, request.replay_random)
+        lowered = build_problem(joint, split, costs, budget or 0, self.allocator, request.replay_random,
+                                fused=request.inner == "inductor")
         if request.offload:
             lowered = _allow_offload(lowered, split, costs, request.offload_min_bytes)
         log.info("joint graph: %d forward and %d backward ops, %d values backward may need",

@@ -38,6 +38,9 @@ class MemoryProblem:
       can_save[i]       False for views and multi-output ops (their parts are saved instead)
       can_recompute[i]  False for random and side-effecting ops
       multi_output[i]   it is a tuple: the candidates that take its items hold its bytes (empty: none is)
+      fused[i]          when recomputed, it is computed inside the kernels that read it (Inductor fuses a
+                        pointwise op into its pointwise and reduction readers): it holds no bytes of its
+                        own, and its inputs stay alive as long as it would (empty: none is)
       saved_from[i]     first step at which keeping it costs `size` (after its last forward use)
       need_first[i]     first backward step that reads it directly (NEVER when none)
       need_last[i]      last backward step that reads it, or a backward view of it (NEVER when none)
@@ -74,11 +77,13 @@ class MemoryProblem:
     step_ns: tuple[int, ...] = ()
     offload_overhead_ns: int = 0
     multi_output: tuple[bool, ...] = ()
+    fused: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.names)
         for field in ("size", "cost", "inputs", "aliases", "needed", "can_save", "can_recompute",
-                      "saved_from", "need_first", "need_last") + (("multi_output",) if self.multi_output else ()):
+                      "saved_from", "need_first", "need_last") + (("multi_output",) if self.multi_output else ()) \
+                + (("fused",) if self.fused else ()):
             if len(getattr(self, field)) != n:
                 raise ValueError(f"MemoryProblem.{field} has {len(getattr(self, field))} entries, expected {n}")
         for i, ins in enumerate(self.inputs):
@@ -95,6 +100,18 @@ class MemoryProblem:
 
     def offloadable(self, i: int) -> bool:
         return bool(self.can_offload) and self.can_offload[i]
+
+    def inlined(self, i: int) -> bool:
+        """Whether i, recomputed, is computed inside its readers' kernels (`fused`): no bytes of its own."""
+        return bool(self.fused) and self.fused[i]
+
+    def holds_inputs(self, i: int) -> bool:
+        """Whether i, recomputed, keeps its inputs alive as long as it lives (a view, or `inlined`)."""
+        return self.aliases[i] or self.inlined(i)
+
+    def recomputed_size(self, i: int) -> int:
+        """Bytes i holds while recomputed (`size`, none where `inlined`)."""
+        return 0 if self.inlined(i) else self.size[i]
 
     @property
     def num_values(self) -> int:
@@ -152,10 +169,10 @@ def lifetimes(problem: MemoryProblem, recompute: Iterable[int]) -> dict[int, tup
 
     A recomputed value is made at the first backward read of it or of a recomputed consumer;
     any value lives until its last direct read, the making of its recomputed consumers, and the
-    end of recomputed views of it."""
+    end of recomputed views (and `inlined` readers) of it."""
     rec = frozenset(recompute)
     saved = saved_set(problem, rec)
-    users, aliases = problem.consumers(), problem.aliases
+    users, holds = problem.consumers(), [problem.holds_inputs(i) for i in range(problem.num_values)]
     need_first, need_last = problem.need_first, problem.need_last
     made: dict[int, int] = {}
     ends: dict[int, int] = {}
@@ -167,7 +184,7 @@ def lifetimes(problem: MemoryProblem, recompute: Iterable[int]) -> dict[int, tup
                 continue
             if first == NEVER or when < first:
                 first = when
-            reach = ends[w] if aliases[w] else when
+            reach = ends[w] if holds[w] else when
             if reach > last:
                 last = reach
         if v in rec:
@@ -183,7 +200,18 @@ def lifetimes(problem: MemoryProblem, recompute: Iterable[int]) -> dict[int, tup
 def memory_profile(problem: MemoryProblem, recompute: Iterable[int], offload: Iterable[int] = ()) -> list[int]:
     """Live bytes at every step under a decision (difference array over lifetimes); an offloaded
     value is off the device between its copy out and its copy back (`transfer_schedule`)."""
-    return profile_of(problem, lifetimes(problem, recompute), problem.size, offload)
+    rec = frozenset(recompute)
+    return profile_of(problem, lifetimes(problem, rec), held_sizes(problem, rec), offload)
+
+
+def held_sizes(problem: MemoryProblem, recompute: frozenset[int]) -> list[int]:
+    """Bytes each value holds while alive under a decision: `size`, none for an `inlined` recomputed one."""
+    size = list(problem.size)
+    if problem.fused:
+        for v in recompute:
+            if problem.fused[v]:
+                size[v] = 0
+    return size
 
 
 def profile_of(problem: MemoryProblem, spans: dict[int, tuple[int, int]], size, offload: Iterable[int] = ()

@@ -13,7 +13,7 @@ from typing import Hashable
 import torch
 import torch.fx
 
-from fxmem.cost import CostTable, is_view
+from fxmem.cost import CostTable, is_pointwise, is_view
 from fxmem.memory import EXACT, AllocatorModel, Walker, storages_of
 from fxmem.problem import NEVER, MemoryProblem
 
@@ -101,7 +101,9 @@ class Lowered:
 
 
 def build_problem(joint: torch.fx.GraphModule, split: JointSplit, costs: CostTable, budget: int,
-                  allocator: AllocatorModel = EXACT, replay_random: bool = True) -> Lowered:
+                  allocator: AllocatorModel = EXACT, replay_random: bool = True, fused: bool = False) -> Lowered:
+    """`fused`: the step runs as Inductor's code, so a recomputed pointwise op whose readers all fuse it
+    (`fuses_when_recomputed`) holds no bytes of its own (`MemoryProblem.fused`)."""
     steps = list(split.forward) + list(split.backward)
     step_of = {n: i for i, n in enumerate(steps)}
     num_fw = len(split.forward)
@@ -130,7 +132,7 @@ def build_problem(joint: torch.fx.GraphModule, split: JointSplit, costs: CostTab
     index = {n: i for i, n in enumerate(nodes)}
     columns: dict[str, list] = {k: [] for k in (
         "size", "cost", "inputs", "aliases", "needed", "can_save", "can_recompute",
-        "saved_from", "need_first", "need_last", "multi_output")}
+        "saved_from", "need_first", "need_last", "multi_output", "fused")}
     for node in nodes:
         view = is_view(node)
         own = {k: b for k, b in storages_of(node).items() if k not in static and k not in held}
@@ -148,6 +150,7 @@ def build_problem(joint: torch.fx.GraphModule, split: JointSplit, costs: CostTab
         columns["need_first"].append(min(reads) if reads else NEVER)
         last = max(reads + [bw_death[k] for k in storages_of(node) if k in bw_death]) if reads else NEVER
         columns["need_last"].append(last)
+        columns["fused"].append(fused and fuses_when_recomputed(node, relevant, step_of, num_fw))
     problem = MemoryProblem(names=tuple(n.name for n in nodes), base=base, budget=int(budget),
                             **{k: tuple(v) for k, v in columns.items()})
     return Lowered(problem, tuple(nodes), split.primals)
@@ -179,6 +182,23 @@ def rng_state_bytes(node: torch.fx.Node) -> int:
     `torch.get_rng_state()`; 0 for CUDA, whose (seed, offset) is a host tensor."""
     values = [v for v in torch.utils._pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
     return torch.get_rng_state().numel() if values and values[0].device.type == "cpu" else 0
+
+
+def fuses_when_recomputed(node: torch.fx.Node, relevant: set[torch.fx.Node], step_of, num_fw: int) -> bool:
+    """Whether Inductor computes `node`, recomputed in backward, inside the kernels that read it there: a
+    pointwise op whose readers there (backward's, and forward's that may be recomputed) are pointwise ops
+    and reductions, through views. A reader that is a matmul, attention or another aten kernel needs it in
+    a buffer of its own."""
+    if not is_pointwise(node) or _multi_output(node):
+        return False
+    readers = [u for u in node.users if step_of.get(u, -1) >= num_fw or u in relevant]
+    while readers:
+        user = readers.pop()
+        if is_view(user):
+            readers += [u for u in user.users if step_of.get(u, -1) >= num_fw or u in relevant]
+        elif not ({torch.Tag.pointwise, torch.Tag.reduction} & set(getattr(user.target, "tags", ()))):
+            return False
+    return True
 
 
 def _needed_transitively(forward, step_of, num_fw) -> set[torch.fx.Node]:

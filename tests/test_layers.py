@@ -130,8 +130,8 @@ def test_detects_the_blocks_of_a_zoo_gpt():
     seen = {}
     original = planner.build_problem
 
-    def spy(joint, split, costs, budget, *rest):
-        lowered = original(joint, split, costs, budget, *rest)
+    def spy(joint, split, costs, budget, *rest, **kw):
+        lowered = original(joint, split, costs, budget, *rest, **kw)
         seen["problem"], seen["costs"], seen["nodes"] = lowered.problem, costs, lowered.nodes
         return lowered
 

@@ -4,6 +4,7 @@ Reads a `MemoryProblem`; returns bytes. Torch-free. Whatever is decided, a value
 reads is on the device from its first backward read to its last one: saved values from before,
 recomputed ones from their making, which is at or before the first read. With what is live at
 every step anyway (`base`), the largest such sum over the steps is a peak no decision goes below.
+A value Inductor would compute inside its readers (`MemoryProblem.fused`) may hold nothing: not counted.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ def peak_lower_bound(problem: MemoryProblem) -> int:
     is not covered)."""
     delta = [0] * (problem.num_steps + 1)
     for v in range(problem.num_values):
-        if problem.need_first[v] != NEVER and problem.size[v]:
+        if problem.need_first[v] != NEVER and problem.size[v] and not (problem.inlined(v) and problem.can_recompute[v]):
             delta[problem.need_first[v]] += problem.size[v]
             delta[problem.need_last[v] + 1] -= problem.size[v]
     best, live = 0, 0

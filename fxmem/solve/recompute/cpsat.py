@@ -84,7 +84,7 @@ class _Model:
             for j in sorted(set(p.inputs[i])):
                 m.add_bool_or([self.s[j], self.r[j]]).only_enforce_if(r)
             for w in users[i]:
-                m.add(self.end[i] >= (self.end[w] if p.aliases[w] else self.made[w])).only_enforce_if(self.r[w])
+                m.add(self.end[i] >= (self.end[w] if p.holds_inputs(w) else self.made[w])).only_enforce_if(self.r[w])
             if i in self.o:
                 m.add_implication(self.o[i], s)
                 for w in p.offload_blockers[i]:
@@ -121,7 +121,7 @@ class _Model:
                                                                             self.o[i], f"C{i}"))
                 intervals.append(m.new_optional_interval_var(p.saved_from[i], size, self.end[i] + 1, kept, f"S{i}"))
                 demands.append(p.size[i])
-            if p.can_recompute[i]:
+            if p.can_recompute[i] and p.recomputed_size(i):
                 size = m.new_int_var(0, p.num_steps, f"held{i}")
                 intervals.append(m.new_optional_interval_var(self.made[i], size, self.end[i] + 1, self.r[i], f"R{i}"))
                 demands.append(p.size[i])

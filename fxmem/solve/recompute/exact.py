@@ -148,7 +148,7 @@ class _Model:
                     continue
                 causes = []
                 for w in users[v]:
-                    if p.aliases[w]:
+                    if p.holds_inputs(w):
                         causes.append([self.E[w][k], self.mat[w]])
                     elif not k or self.M[w][k - 1] is not self.mat[w]:  # else made before point k
                         causes.append([self.mat[w]] + ([_neg(self.M[w][k - 1])] if k else []))
@@ -171,10 +171,12 @@ class _Model:
             sf = self._index(p.saved_from[v])
             for k in range(K):
                 causes = [[self.M[v][k], self.E[v][k]], [self.M[v][k]] + ([_neg(self.M[v][k - 1])] if k else [])]
-                if k >= sf:
-                    causes.append([self.s[v], self.E[v][k]])
                 if self.M[v][k] is not False and k and self.M[v][k] is self.M[v][k - 1]:
                     causes.pop(1)  # made at or before point k-1 already
+                if p.inlined(v):
+                    causes = []  # recomputed, it holds no bytes of its own
+                if k >= sf:
+                    causes.append([self.s[v], self.E[v][k]])
                 lit = _at_least(m, f"A{v}_{k}", causes)
                 if lit is not False:
                     alive[k][v] = lit

@@ -45,6 +45,7 @@ class _State:
         self.span = dict(lifetimes(problem, rec))
         self.made = {v: self.span[v][0] for v in self.rec if v in self.span}
         self.end = {v: last for v, (_, last) in self.span.items()}
+        self.held = {v: problem.recomputed_size(v) if v in self.rec else problem.size[v] for v in self.span}
         self.tree = ProfileTree(memory_profile(problem, rec, offload))
 
     def status(self, v: int) -> str:
@@ -73,7 +74,7 @@ class _State:
                 continue
             if first == NEVER or when < first:
                 first = when
-            reach = self.end[w] if p.aliases[w] else when
+            reach = self.end[w] if p.holds_inputs(w) else when
             last = max(last, reach)
         if status == "saved":
             return None, last, (p.saved_from[v], last)
@@ -81,19 +82,22 @@ class _State:
             return None, None, None
         return first, last, (first, max(first, last))
 
-    def _set_span(self, v: int, new: tuple[int, int] | None, log: list) -> None:
-        old = self.span.get(v)
-        if old == new:
+    def _set_span(self, v: int, new: tuple[int, int] | None, log: list, size: int | None = None) -> None:
+        """v alive over `new` holding `size` bytes (by default what it holds as saved or recomputed now)."""
+        old, old_size = self.span.get(v), self.held.get(v, 0)
+        if size is None:
+            size = self.p.recomputed_size(v) if v in self.rec else self.p.size[v]
+        if old == new and (new is None or old_size == size):
             return
-        size = self.p.size[v]
         if old is not None:
-            self.tree.add(old[0], old[1], -size)
+            self.tree.add(old[0], old[1], -old_size)
         if new is not None:
             self.tree.add(new[0], new[1], size)
-            self.span[v] = new
+            self.span[v], self.held[v] = new, size
         else:
             self.span.pop(v, None)
-        log.append(("span", v, old, new))
+            self.held.pop(v, None)
+        log.append(("span", v, old, new, old_size))
 
     def toggle(self, values: set[int], recompute: bool) -> list:
         """Add `values` to (or remove them from) the recompute set; returns an undo log."""
@@ -133,7 +137,7 @@ class _State:
                 _put(self.made, v, entry[2])
                 _put(self.end, v, entry[3])
             else:
-                self._set_span(v, entry[2], [])  # back to the span before
+                self._set_span(v, entry[2], [], entry[4])  # back to the span and bytes before
 
 
 def _put(d: dict, key: int, value: int | None) -> None:

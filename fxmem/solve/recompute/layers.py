@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fxmem.problem import NEVER, MemoryProblem, lifetimes
+from fxmem.problem import NEVER, MemoryProblem, held_sizes, lifetimes
 
 MIN_LAYERS, MIN_LENGTH = 2, 4
 
@@ -40,7 +40,7 @@ def _signatures(p: MemoryProblem) -> np.ndarray:
     out = []
     for i in range(p.num_values):
         key = (p.size[i], p.cost[i], p.aliases[i], p.needed[i], p.can_save[i], p.can_recompute[i],
-               len(p.inputs[i]))
+               p.inlined(i), len(p.inputs[i]))
         out.append(ids.setdefault(key, len(ids)))
     return np.asarray(out, dtype=np.int64)
 
@@ -104,19 +104,19 @@ def window(p: MemoryProblem, layer, context: frozenset[int]) -> Window:
     boundary = sorted({j for i in own for j in p.inputs[i]} - set(own))
     members = own + boundary
     where = {v: k for k, v in enumerate(members)}
-    spans = lifetimes(p, context)
+    spans, held = lifetimes(p, context), held_sizes(p, context)
     delta = [0] * (p.num_steps + 1)
     for v, (first, last) in spans.items():
-        if v not in where and p.size[v] and first <= last:
-            delta[first] += p.size[v]
-            delta[last + 1] -= p.size[v]
+        if v not in where and held[v] and first <= last:
+            delta[first] += held[v]
+            delta[last + 1] -= held[v]
     base, level = [], 0
     for b, d in zip(p.base, delta):
         level += d
         base.append(b + level)
     users = p.consumers()
     cols: dict[str, list] = {k: [] for k in ("names", "size", "cost", "inputs", "aliases", "needed", "can_save",
-                                              "can_recompute", "saved_from", "need_first", "need_last")}
+                                              "can_recompute", "saved_from", "need_first", "need_last", "fused")}
     order = sorted(range(len(members)), key=lambda k: members[k])  # inputs must come first
     renum = {members[k]: n for n, k in enumerate(order)}
     for k in order:
@@ -127,7 +127,7 @@ def window(p: MemoryProblem, layer, context: frozenset[int]) -> Window:
                 continue
             made, end = spans[w]
             first = made if first == NEVER else min(first, made)
-            last = max(last, end if p.aliases[w] else made)
+            last = max(last, end if p.holds_inputs(w) else made)
         inside = k < len(own)
         cols["names"].append(p.names[v])
         cols["size"].append(p.size[v])
@@ -140,6 +140,7 @@ def window(p: MemoryProblem, layer, context: frozenset[int]) -> Window:
         cols["saved_from"].append(p.saved_from[v])
         cols["need_first"].append(first)
         cols["need_last"].append(max(last, first) if first != NEVER else last)
+        cols["fused"].append(p.inlined(v) and inside)
     sub = MemoryProblem(base=tuple(base), budget=p.budget, **{k: tuple(v) for k, v in cols.items()})
     return Window(sub, tuple(members[k] for k in order), frozenset(own))
 

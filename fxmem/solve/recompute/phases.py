@@ -13,7 +13,7 @@ stay conservative against it.
 """
 from __future__ import annotations
 
-from fxmem.problem import MemoryProblem, lifetimes, profile_of
+from fxmem.problem import MemoryProblem, held_sizes, lifetimes, profile_of
 
 
 def phase_profile(problem: MemoryProblem, recompute, offload=()) -> list[int]:
@@ -51,7 +51,7 @@ def _spans(problem: MemoryProblem, rec: frozenset[int]):
     items (the problem counts the tuple until its last item is taken, and the items again): each
     item exists from the tuple's making until it dies or the tuple does, when its last item is
     taken; and the order values are made in within a phase (items right after their tuple)."""
-    spans, size = dict(lifetimes(problem, rec)), list(problem.size)
+    spans, size = dict(lifetimes(problem, rec)), held_sizes(problem, rec)
     owner: dict[int, int] = {}
     users = problem.consumers()
     for m in sorted(rec):
@@ -73,14 +73,14 @@ def _phase(problem: MemoryProblem, spans: dict[int, tuple[int, int]], size: list
     surviving view of it does; otherwise it lives until the last value of the phase that reads it
     (or the end of a dying view of it) is made."""
     position = {v: k for k, v in enumerate(group)}
-    users, aliases = problem.consumers(), problem.aliases
+    users = problem.consumers()
     ends: dict[int, int] = {}  # position of the last sub-step a value is alive at; len(group) = survives
     for v in reversed(group):
         end = len(group) if problem.needed[v] or spans[v][1] > step else position[v]
         for w in users[v]:
             k = position.get(w)
             if k is not None and end < len(group):
-                end = max(end, ends[w] if aliases[w] else k)
+                end = max(end, ends[w] if problem.holds_inputs(w) else k)
         ends[v] = end
     delta = [0] * (len(group) + 2)
     for k, v in enumerate(group):

@@ -9,8 +9,12 @@ scale modules, each with one parameter) through `fxmem`'s own runtime, prices th
 device spec and kernel timer, and fits what the price list misses: seconds per step and per parameter
 tensor; a view op's seconds come from timing one the way the generated code calls it.
 
+The memory rate (`bytes_per_s`) is timed too, on an add of tensors larger than a CPU's caches (a step's
+activations stream through memory: timed in cache, the rate was 4x what a GPT-2's fused kernels
+reached in its step): what fused pointwise code costs per byte here.
+
 Reads nothing of the user's model; returns the `DeviceSpec` with `step_overhead_s`,
-`param_overhead_s` and `view_overhead_s` set; cached per device and spec in the process.
+`param_overhead_s`, `view_overhead_s` and `bytes_per_s` set; cached per device and spec in the process.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from fxmem.engine import OptimizedModule, signature_of
 from fxmem.planner import PlanRequest
 
 CHAIN_LENGTHS = (4, 32)  # modules per synthetic model
+BANDWIDTH_NUMEL = 1 << 24  # elements per tensor timed for the memory rate: 64 MiB, past a CPU's caches
 WARMUP, STEPS = 5, 25
 
 
@@ -52,7 +57,7 @@ def _measured(spec: DeviceSpec, device_type: str) -> DeviceSpec:
     per_param = max(0.0, (missed[long] - missed[short]) / (long - short))
     per_step = max(0.0, missed[short] - short * per_param)
     return dataclasses.replace(spec, step_overhead_s=per_step, param_overhead_s=per_param,
-                               view_overhead_s=_view_seconds(device))
+                               view_overhead_s=_view_seconds(device), bytes_per_s=_bytes_per_s(device))
 
 
 def _unpriced_seconds(k: int, spec: DeviceSpec, device: torch.device) -> float:
@@ -78,6 +83,22 @@ def _unpriced_seconds(k: int, spec: DeviceSpec, device: torch.device) -> float:
         run()
     measured = statistics.median(run() for _ in range(STEPS))
     return measured - step.plan.predicted_step_s
+
+
+def _bytes_per_s(device: torch.device, numel: int = BANDWIDTH_NUMEL) -> float:
+    """Bytes a memory-bound kernel moves per second here: an add of two float32 tensors of `numel`
+    elements into a third, timed (the best of a few runs, its launch included); Inductor's fused
+    code is priced by its traffic at this rate (`fxmem.inductor_time`)."""
+    a, b = torch.ones(numel, device=device), torch.ones(numel, device=device)
+    out = torch.empty_like(a)
+    times = []
+    for _ in range(WARMUP + STEPS):
+        started = time.perf_counter()
+        torch.add(a, b, out=out)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - started)
+    return 3 * numel * a.element_size() / min(times[WARMUP:])
 
 
 def _view_seconds(device: torch.device) -> float:

@@ -83,6 +83,8 @@ def main():
     p.add_argument("--knapsack", default="0.5,0.2", help="torch.compile activation_memory_budget fractions (\"\" for none)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--time-limit", type=float, default=5.0)
+    p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                   help="price fxmem's plans by the device preset instead of timing kernels and the memory rate here")
     a = p.parse_args()
     model, args, kwargs = build(a.model, a.batch, a.seq)
     model = model.to(a.device)
@@ -111,7 +113,7 @@ def main():
         for inner in a.inners.split(","):
             label = f"fxmem {inner}, nothing recomputed" if name is None else f"fxmem {inner} at {name}'s peak"
             module = fxmem.optimize(copy.deepcopy(model), budget_gb=1024 if name is None else peaks[name] / 2**30,
-                                    inner=inner, time_limit_s=a.time_limit)
+                                    inner=inner, time_limit_s=a.time_limit, calibrate=a.calibrate)
             try:
                 step_seconds(module, args, kwargs)
             except fxmem.InfeasibleBudgetError as exc:  # planned instead at the least it names
@@ -120,7 +122,7 @@ def main():
                 if label in configs:
                     continue
                 module = fxmem.optimize(copy.deepcopy(model), budget_gb=exc.min_budget_bytes / 2**30, inner=inner,
-                                        time_limit_s=a.time_limit)
+                                        time_limit_s=a.time_limit, calibrate=a.calibrate)
                 step_seconds(module, args, kwargs)
             configs[label], predicted[label] = module, module.plan.predicted_peak_bytes
             predicted_s[label] = module.plan.predicted_step_s

@@ -73,6 +73,17 @@ def test_inductor_runs_the_plan_within_budget_and_trains_like_eager():
     assert measured <= budget and abs(plan.predicted_peak_bytes - measured) <= 0.02 * measured
 
 
+def test_a_calibrated_plan_times_the_kernels_inductor_calls():
+    """calibrate=True under Inductor: the aten kernels of the fused step timed here, the step priced by them."""
+    model, inputs = _setup()
+    priced = {}
+    for calibrate in (False, True):
+        optimized = fxmem.optimize(copy.deepcopy(model), budget_gb=1.0, inner="inductor", calibrate=calibrate)
+        optimized(*inputs).sum().backward()
+        priced[calibrate] = optimized.plan.predicted_step_s
+    assert 0 < priced[True] != priced[False]
+
+
 @needs_compiler
 def test_the_fused_estimate_is_the_step_inductor_runs():
     """gpt-tiny, nothing recomputed: the simulated fused step against the CPU allocator's peak."""

@@ -18,7 +18,9 @@ def test_overheads_are_measured_once_per_device_and_spec():
     assert measured.step_overhead_s >= 0 and measured.param_overhead_s >= 0 and measured.view_overhead_s > 0
     assert measured.step_overhead_s + measured.param_overhead_s > 0, "a step costs more than its kernels"
     assert measured_overheads(spec, torch.device("cpu")) is measured  # cached: nothing timed again
-    assert dataclasses.replace(measured, step_overhead_s=0.0, param_overhead_s=0.0, view_overhead_s=0.0) == spec
+    assert 1e8 < measured.bytes_per_s < 1e13  # the memory rate of an add here, bytes per second
+    assert dataclasses.replace(measured, step_overhead_s=0.0, param_overhead_s=0.0, view_overhead_s=0.0,
+                               bytes_per_s=spec.bytes_per_s) == spec
 
 
 def test_fixed_costs_enter_the_predicted_step_per_step_and_per_trained_parameter():

@@ -23,7 +23,7 @@ from torch._guards import detect_fake_mode
 
 from fxmem.joint_cache import copy_joint
 
-FUSED_TRIES = 4  # plans made (each lowered by Inductor) to fit the fused step to a budget
+FUSED_TRIES = 5  # plans made (each lowered by Inductor) to fit the fused step to a budget
 
 
 class _InductorPartitioner:
@@ -127,9 +127,9 @@ class FusedPlanning:
     def fit(self, gm, fakes, asked, limit: int) -> tuple[Any, Any]:
         """A plan whose fused step is within `limit` (the budget less the planning margin), and that step.
         The planner fits its problem to a target (first the budget; below the planner's least, that least),
-        the fused step is simulated, and the target moves down by what it overshot or up by what it left
-        (at least 5%, doubling, within the targets tried: at most `FUSED_TRIES` plans, each lowered by
-        Inductor). Where those plans recompute, the
+        the fused step is simulated, and the target moves down by what it overshot (halfway to a target
+        that fit) or up by what it left (at least 5%, doubling, halfway to a target that did not fit):
+        at most `FUSED_TRIES` plans, each lowered by Inductor. Where those plans recompute, the
         plan Inductor's own partitioner would make is tried too (`policies.FUSIBLE`: every pointwise op
         recomputed, the rest kept), which the unfused graph prices too high. Of the plans that fit, the
         one predicted fastest; refused, naming the least budget of the fused steps tried, where none fits."""
@@ -162,9 +162,9 @@ class FusedPlanning:
             else:
                 over.append((plan, fused))
                 missed = min(missed or target, target)
-                step = target + limit - fused.peak
-                if fitted is not None:
-                    step = max(step, (fitted + target) // 2)
+                # down by the overshoot; between a target that fit and this one, halfway (a small move
+                # barely changes the fused step)
+                step = target + limit - fused.peak if fitted is None else (fitted + target) // 2
             if step == target or refusal is not None and step < refusal.min_budget_bytes:
                 break  # no other plan to try (below the planner's least: planned already)
             target = step

@@ -216,7 +216,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], optio
     record.held = ledger.held_for(record, count_saved)
     device = options.get("device") or _input_device(example_inputs)
     request = PlanRequest(budget_bytes=budget, held_bytes=record.held, replay_random=replays_random(inner),
-                          replay_ops="torch" if inner == "inductor" else "functions",
+                          replay_ops="torch" if inner == "inductor" else "functions", inner=inner,
                           device=device if isinstance(device, DeviceSpec) else DeviceSpec.from_name(device),
                           solver=options.get("solver", "auto"), time_limit_s=float(options.get("time_limit_s", 10.0)),
                           model=ledger.model_name or f"dynamo graph {index}", capture=_where(gm, index, ledger),

@@ -132,7 +132,8 @@ class FusedPlanning:
         at most `FUSED_TRIES` plans, each lowered by Inductor. Where those plans recompute, the
         plan Inductor's own partitioner would make is tried too (`policies.FUSIBLE`: every pointwise op
         recomputed, the rest kept), which the unfused graph prices too high. Of the plans that fit, the
-        one predicted fastest; refused, naming the least budget of the fused steps tried, where none fits."""
+        one predicted fastest; where none fits, the step with nothing recomputed is tried too, and the budget
+        refused naming the least fused step tried."""
         from fxmem.errors import InfeasibleBudgetError
         from fxmem.policies import FUSIBLE
 
@@ -170,6 +171,9 @@ class FusedPlanning:
             target = step
         if all(plan.recompute for plan, _ in fits):
             plan, fused = self.plan_at(gm, fakes, dataclasses.replace(asked, budget_bytes=None, policy=FUSIBLE))
+            (fits if fused.peak <= limit else over).append((plan, fused))
+        if not fits:  # nothing recomputed, too: where recomputing does not shrink the fused step, it is the least
+            plan, fused = self.plan_at(gm, fakes, dataclasses.replace(asked, budget_bytes=None, policy=None))
             (fits if fused.peak <= limit else over).append((plan, fused))
         if not fits:
             least = min(fused.peak for _, fused in over)

@@ -77,7 +77,7 @@ def _backend_minimum(model, inputs, inner) -> int:
 
 def test_inductor_below_eager_peak(tmp_path):
     torch.manual_seed(0)  # no dropout: Inductor draws random numbers its own way
-    model, inputs = models.from_name("mlp-tiny", dropout=0.0), models.example_inputs("mlp-tiny", 1024)
+    model, inputs = models.from_name("gpt-tiny", dropout=0.0, n_layer=1), tuple(models.example_inputs("gpt-tiny", 4))
     # Inductor decomposes the joint graph further, so its graph has its own eager peak and minimum.
     probe = {"budget_gb": 1.0, "inner": "inductor"}
     training_step(_compiled(copy.deepcopy(model), probe), inputs)
@@ -93,6 +93,7 @@ def test_inductor_below_eager_peak(tmp_path):
     (plan,) = plans_for(options)  # fitted to the fused step, recorded once
     assert plan.recompute and plan.predicted_peak_bytes <= budget
     assert plan.predicted_peak_bytes == plan.timelines["inductor"].peak  # the plan predicts the fused step
+    assert plan.inner == "inductor"  # planned, priced and recorded as Inductor runs it (pointwise ops fused)
     assert fxmem.Plan.load(plan_path(tmp_path / "plan.json", 0)) == plan
     # the CPU allocator sees Inductor's buffers (MemTracker does not): within budget, the prediction within 2%
     measured = measure_peak_bytes(compiled, inputs, allocator=True)

@@ -206,12 +206,7 @@ def memory_profile(problem: MemoryProblem, recompute: Iterable[int], offload: It
 
 def held_sizes(problem: MemoryProblem, recompute: frozenset[int]) -> list[int]:
     """Bytes each value holds while alive under a decision: `size`, none for an `inlined` recomputed one."""
-    size = list(problem.size)
-    if problem.fused:
-        for v in recompute:
-            if problem.fused[v]:
-                size[v] = 0
-    return size
+    return [problem.recomputed_size(v) if v in recompute else problem.size[v] for v in range(problem.num_values)]
 
 
 def profile_of(problem: MemoryProblem, spans: dict[int, tuple[int, int]], size, offload: Iterable[int] = ()

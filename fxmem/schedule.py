@@ -191,11 +191,12 @@ def fuses_when_recomputed(node: torch.fx.Node, relevant: set[torch.fx.Node], ste
     a buffer of its own."""
     if not is_pointwise(node) or _multi_output(node):
         return False
-    readers = [u for u in node.users if step_of.get(u, -1) >= num_fw or u in relevant]
+    reads_it = lambda u: step_of.get(u, -1) >= num_fw or u in relevant  # noqa: E731
+    readers = list(filter(reads_it, node.users))
     while readers:
         user = readers.pop()
         if is_view(user):
-            readers += [u for u in user.users if step_of.get(u, -1) >= num_fw or u in relevant]
+            readers += filter(reads_it, user.users)
         elif not ({torch.Tag.pointwise, torch.Tag.reduction} & set(getattr(user.target, "tags", ()))):
             return False
     return True

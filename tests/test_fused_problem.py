@@ -88,7 +88,7 @@ def test_a_window_keeps_the_whole_problems_profile_on_fused_problems():
 
 
 def test_the_joint_graph_marks_what_its_readers_fuse():
-    """gelu read by a mul (pointwise) fuses when recomputed; gelu read by a matmul needs a buffer."""
+    """sigmoid, read by a mul (pointwise), fuses when recomputed; gelu, read by a matmul, needs a buffer."""
     from fxmem.cost import estimate
     from fxmem.schedule import build_problem, split_joint
     from tests.conftest import joint_of

@@ -170,11 +170,11 @@ class _Model:
                 continue
             sf = self._index(p.saved_from[v])
             for k in range(K):
-                causes = [[self.M[v][k], self.E[v][k]], [self.M[v][k]] + ([_neg(self.M[v][k - 1])] if k else [])]
-                if self.M[v][k] is not False and k and self.M[v][k] is self.M[v][k - 1]:
-                    causes.pop(1)  # made at or before point k-1 already
-                if p.inlined(v):
-                    causes = []  # recomputed, it holds no bytes of its own
+                causes = []  # recomputed and `inlined`, it holds no bytes of its own
+                if not p.inlined(v):
+                    causes = [[self.M[v][k], self.E[v][k]], [self.M[v][k]] + ([_neg(self.M[v][k - 1])] if k else [])]
+                    if self.M[v][k] is not False and k and self.M[v][k] is self.M[v][k - 1]:
+                        causes.pop(1)  # made at or before point k-1 already
                 if k >= sf:
                     causes.append([self.s[v], self.E[v][k]])
                 lit = _at_least(m, f"A{v}_{k}", causes)

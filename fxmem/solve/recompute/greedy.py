@@ -19,6 +19,7 @@ from fxmem.problem import (
     MemoryProblem,
     decision_cost,
     eager_decision,
+    held_sizes,
     is_valid,
     lifetimes,
     memory_profile,
@@ -45,7 +46,8 @@ class _State:
         self.span = dict(lifetimes(problem, rec))
         self.made = {v: self.span[v][0] for v in self.rec if v in self.span}
         self.end = {v: last for v, (_, last) in self.span.items()}
-        self.held = {v: problem.recomputed_size(v) if v in self.rec else problem.size[v] for v in self.span}
+        held = held_sizes(problem, rec)
+        self.held = {v: held[v] for v in self.span}
         self.tree = ProfileTree(memory_profile(problem, rec, offload))
 
     def status(self, v: int) -> str:

@@ -20,6 +20,7 @@ Writes nothing.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, Callable, Hashable, Sequence
 
 import torch
@@ -33,12 +34,14 @@ class KernelWork:
     """What one kernel of Inductor's code does, to price it (`fxmem.inductor_time`): `bytes_moved` its
     buffers' reads and writes (Inductor's own count, each buffer at most once), `flops` its FLOPs (torch's
     formulas, for matmuls and attention), `dtype` its first output's; `origin` the op of the lowered graph
-    an aten kernel runs (a matmul, attention; None for fused code), which a kernel timer can time."""
+    an aten kernel runs (a matmul, attention; None for fused code), which a kernel timer can time; `parts`
+    the ops of the lowered graph fused code computes (empty for an aten kernel)."""
 
     bytes_moved: int
     flops: int
     dtype: torch.dtype | None = None
     origin: torch.fx.Node | None = None
+    parts: tuple[torch.fx.Node, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +140,7 @@ def scheduled_graph(nodes: Sequence[Any]) -> ScheduledGraph:
         done, cpp = _work(node), _cpp_fused(node)
         if cpp and joins:  # one C++ function, launched once
             work[-1] = dataclasses.replace(work[-1], bytes_moved=work[-1].bytes_moved + done.bytes_moved,
-                                           flops=work[-1].flops + done.flops)
+                                           flops=work[-1].flops + done.flops, parts=work[-1].parts + done.parts)
         else:
             work.append(done)
         joins = cpp
@@ -160,10 +163,25 @@ def _work(node: Any) -> KernelWork:
         flops = 0
     outputs = node.get_outputs()
     dtype = getattr(outputs[0].node.layout, "dtype", None) if outputs else None
-    origin = None
     if node.is_extern() and getattr(node, "node", None) is not None:
-        origin = node.node.get_origin_node()
-    return KernelWork(moved, flops, dtype, origin)
+        from torch._inductor import ir
+
+        if isinstance(node.node, ir.MultiOutput):  # a part of a multi-output kernel's result, picked in Python
+            return KernelWork(0, 0, dtype, None)
+        return KernelWork(moved, flops, dtype, _aten_origin(node.node))
+    parts = {origin: None for part in node.get_nodes() if getattr(part, "node", None) is not None
+             for origin in getattr(part.node, "origins", ())}
+    return KernelWork(moved, flops, dtype, None, tuple(parts))
+
+
+def _aten_origin(kernel: Any) -> torch.fx.Node | None:
+    """The op of the lowered graph an aten kernel runs: its origin node, or, where that is a getitem of its
+    result or unset (attention, whose result is a tuple), the origin that calls the kernel's op."""
+    origin = kernel.get_origin_node()
+    if origin is not None and origin.target is not operator.getitem:
+        return origin
+    op = getattr(kernel, "op_overload", None)
+    return next((n for n in getattr(kernel, "origins", ()) if op is not None and n.target is op), None)
 
 
 def _cpp_fused(node: Any) -> bool:

@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from fxmem.memory import tensors_of
 
+COMPUTE_NUMEL = 1 << 16  # elements an op's arithmetic is timed on: they stay in cache, so memory is not the limit
 MIN_SECONDS = 2e-3  # time each signature for at least this long (more calls for short kernels)
 MAX_CALLS = 50
 ROUNDS = 3  # the fastest of this many windows: another process sharing the core slows some, never speeds one
@@ -34,6 +35,7 @@ class KernelTimer:
         self.device = torch.device(device)
         self.max_bytes = max_bytes
         self.cache: dict[Hashable, float | None] = {}
+        self.per_element: dict[Hashable, float] = {}
         self.measured = 0
 
     def seconds(self, node: torch.fx.Node) -> float | None:
@@ -51,6 +53,38 @@ class KernelTimer:
         if key not in self.cache:
             self.cache[key] = self._measure(node.target, args, kwargs)
         return self.cache[key]
+
+    def compute_seconds(self, node: torch.fx.Node) -> float:
+        """What `node`'s arithmetic costs inside fused code, where its operands never reach memory: for a unary
+        pointwise op (exp, tanh, log, ...), its seconds per element in cache (COMPUTE_NUMEL elements) less a
+        negation's (the launch and the traffic, which fused code prices once, by its bytes), times the elements
+        it makes. 0 for other ops: a binary op's arithmetic (an add, a multiply) hides under its traffic."""
+        if not _unary_pointwise(node):
+            return 0.0
+        source, made = node.args[0].meta.get("val"), node.meta.get("val")
+        if not isinstance(source, torch.Tensor) or not isinstance(made, torch.Tensor) \
+                or source.device.type != self.device.type or not source.is_floating_point():
+            return 0.0
+        key = (node.target, source.dtype)
+        if key not in self.per_element:
+            self.per_element[key] = self._per_element(node.target, source.dtype)
+        return self.per_element[key] * made.numel()
+
+    def _per_element(self, target: Any, dtype: torch.dtype) -> float:
+        with torch._C._DisablePythonDispatcher(), _disable_current_modes():
+            with torch.no_grad():
+                x = torch.rand(COMPUTE_NUMEL, dtype=dtype, device=self.device) + 0.5  # in every op's domain
+            ops = (torch.ops.aten.neg.default, target)
+            try:
+                for op in ops:
+                    op(x)
+                self._sync()
+                # windows of the two ops taken in turn: a slow spell of the machine slows both alike
+                rounds = [[self._window(op, (x,), {}) for op in ops] for _ in range(2 * ROUNDS)]
+            except Exception:  # an op that cannot run here: its arithmetic left out of the price
+                return 0.0
+        negation, op = (min(times) for times in zip(*rounds))
+        return max(0.0, op - negation) / COMPUTE_NUMEL
 
     def _measure(self, target: Any, args: Any, kwargs: Any) -> float | None:
         # The planner runs inside AOTAutograd's tracing, whose Python dispatcher and modes would be timed too.
@@ -95,6 +129,14 @@ class KernelTimer:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def _unary_pointwise(node: torch.fx.Node) -> bool:
+    """Whether `node` is an elementwise aten op of one tensor and nothing else (exp, tanh, rsqrt, ...)."""
+    target = node.target
+    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
+            and torch.Tag.pointwise in target.tags and len(node.args) == 1 and not node.kwargs
+            and isinstance(node.args[0], torch.fx.Node))
 
 
 def _signature(value: Any) -> Hashable:

@@ -1,13 +1,32 @@
 """fxmem.inductor_time: Inductor's step priced by the kernels it runs: fused code by its traffic and one
-launch, an aten kernel Inductor calls by the kernel timer where one is given, a step's fixed costs once."""
+launch (and its costly arithmetic, where a kernel timer is given), an aten kernel Inductor calls by the
+kernel timer where one is given, a step's fixed costs once."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.fx
 
+from functorch.compile import default_partition
+
 from fxmem.cost import DEVICE_PRESETS
 from fxmem.inductor_memory import KernelWork, ScheduledGraph
+from fxmem.inductor_plan import compile_with_partitioner, schedule
 from fxmem.inductor_time import graph_seconds, kernel_seconds, step_seconds
+from fxmem.kernel_timer import KernelTimer
+from fxmem.inductor_step import has_cxx_compiler
+
+needs_compiler = pytest.mark.skipif(not has_cxx_compiler(), reason="Inductor on CPU needs a C++ compiler")
+
+
+class _Timer:
+    """A kernel timer that answers `seconds` with a given function and prices no arithmetic."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def compute_seconds(self, node):
+        return 0.0
 
 
 def _matmul_node() -> torch.fx.Node:
@@ -30,18 +49,59 @@ def test_an_aten_kernel_is_timed_where_a_timer_can_and_priced_by_the_roofline_wh
     matmul = KernelWork(bytes_moved=3 * 4 * 512 * 512, flops=2 * 512**3, dtype=torch.float32, origin=node)
     roofline = cpu.seconds(matmul.flops, matmul.bytes_moved, torch.float32)
     assert kernel_seconds(matmul, cpu) == roofline
-    assert kernel_seconds(matmul, cpu, timer=lambda n: 0.25 if n is node else None) == 0.25
-    assert kernel_seconds(matmul, cpu, timer=lambda n: None) == roofline  # the timer could not run it
+    assert kernel_seconds(matmul, cpu, timer=_Timer(lambda n: 0.25 if n is node else None)) == 0.25
+    assert kernel_seconds(matmul, cpu, timer=_Timer(lambda n: None)) == roofline  # the timer could not run it
     # fused code has no aten op to time: the timer is not asked
     fused = KernelWork(bytes_moved=1000, flops=0)
-    assert kernel_seconds(fused, cpu, timer=lambda n: 1.0) == kernel_seconds(fused, cpu)
+    assert kernel_seconds(fused, cpu, timer=_Timer(lambda n: 1.0)) == kernel_seconds(fused, cpu)
 
 
 def test_a_step_is_its_two_graphs_kernels_and_its_fixed_costs():
     cpu, node = DEVICE_PRESETS["cpu"], _matmul_node()
     forward = ScheduledGraph((), ("buf0",), (KernelWork(1_000_000, 0), KernelWork(0, 10**9, origin=node)))
     backward = ScheduledGraph((), ("buf1",), (KernelWork(2_000_000, 0),))
-    timer = lambda n: 0.01  # noqa: E731
+    timer = _Timer(lambda n: 0.01)
     total = step_seconds(forward, backward, cpu, num_parameters=4, timer=timer)
     assert total == graph_seconds(forward, cpu, timer) + graph_seconds(backward, cpu, timer) + cpu.fixed_seconds(4)
     assert graph_seconds(forward, cpu, timer) == kernel_seconds(forward.work[0], cpu) + 0.01
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(32, 96)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(2, 64, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        return torch.tanh(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+class _Partitioned(Exception):
+    pass
+
+
+def _forward_as_inductor_runs_it(model: torch.nn.Module, x: torch.Tensor) -> ScheduledGraph:
+    """The forward graph Inductor's pipeline partitions (after its decompositions), as Inductor schedules it."""
+    graphs = {}
+
+    def partition(joint, inputs, **kwargs):
+        graphs["fw"], _ = default_partition(joint, inputs, **kwargs)
+        raise _Partitioned
+
+    with pytest.raises(_Partitioned):
+        compile_with_partitioner(torch.fx.symbolic_trace(model), [x], partition)
+    return schedule(graphs["fw"], False)
+
+
+@needs_compiler
+def test_attention_is_timed_as_the_kernel_it_calls_and_a_fused_tanh_costs_its_arithmetic():
+    """Attention's kernel returns a tuple: it is timed as the attention op (not as the getitem picking its
+    output, which is free); a fused tanh is priced by its traffic plus what the timer measures its arithmetic at."""
+    cpu, timer = DEVICE_PRESETS["cpu"], KernelTimer("cpu")
+    forward = _forward_as_inductor_runs_it(_Attention(), torch.randn(2, 64, 32))
+    timed = {str(w.origin.target) for w in forward.work if w.origin is not None}
+    assert any("scaled_dot_product" in t for t in timed) and not any("getitem" in t for t in timed)
+    (fused,) = [w for w in forward.work if torch.ops.aten.tanh.default in {p.target for p in w.parts}]
+    (tanh,) = [p for p in fused.parts if p.target is torch.ops.aten.tanh.default]
+    assert kernel_seconds(fused, cpu, timer) == kernel_seconds(fused, cpu) + sum(
+        timer.compute_seconds(p) for p in fused.parts)

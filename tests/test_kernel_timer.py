@@ -98,3 +98,24 @@ def test_kernels_are_timed_outside_the_tracers_python_dispatcher_and_modes():
     with enable_python_dispatcher(), Watching():
         assert KernelTimer("cpu")._measure(op, (torch.empty(4),), {}) > 0
     assert seen and all(state == (False, None) for state in seen)
+
+
+def _unary(op, numel):
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(numel)
+    node = graph.call_function(op, (x,))
+    node.meta["val"] = torch.empty(numel)
+    return node
+
+
+def test_a_unary_ops_arithmetic_is_timed_per_element_and_a_binary_ops_is_not():
+    """compute_seconds: what a tanh costs beyond its traffic, per element made; an add's hides under its bytes."""
+    timer = KernelTimer("cpu")
+    small, large = _unary(torch.ops.aten.tanh.default, 1000), _unary(torch.ops.aten.tanh.default, 3000)
+    assert timer.compute_seconds(small) > 0
+    assert timer.compute_seconds(large) == pytest.approx(3 * timer.compute_seconds(small))  # timed once per op and dtype
+    assert len(timer.per_element) == 1
+    graph = torch.fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    assert timer.compute_seconds(graph.call_function(torch.ops.aten.add.Tensor, (a, b))) == 0.0

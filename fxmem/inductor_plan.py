@@ -61,6 +61,20 @@ def compile_with_partitioner(gm: torch.fx.GraphModule, example_inputs: Sequence[
         return compile_fx(gm, list(example_inputs))
 
 
+def partition_only(gm: torch.fx.GraphModule, fakes: Sequence[Any], partitioner: Callable[..., Any]) -> None:
+    """Runs Inductor's pipeline for `gm` up to its partitioner, which sees Inductor's joint graph (a
+    `fxmem.engine.JointFingerprint` records it), and stops there: no plan made, no code."""
+
+    def partition(joint, joint_inputs, **kwargs):
+        partitioner(joint, joint_inputs, **kwargs)
+        raise _Planned
+
+    try:
+        compile_with_partitioner(gm, list(fakes), partition)
+    except _Planned:
+        pass
+
+
 class FusedPlanning:
     """Plans with `planner` for Inductor (`plan`), fitting the fused step to the budget. `call`: how the
     planner is called as a partitioner while fitting (the planner itself unless told: the torch.compile

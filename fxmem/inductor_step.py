@@ -27,7 +27,7 @@ import torch.utils._pytree as pytree
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxmem.inductor_plan import FusedPlanning, compile_with_partitioner
+from fxmem.inductor_plan import FusedPlanning, compile_with_partitioner, partition_only
 
 
 INNERS = ("aot_eager", "inductor")
@@ -101,7 +101,9 @@ class InductorRunner:
             with fake:
                 outputs = step._flat_forward(state, *flat)
             self.tensor_leaves = [c is None for c in step.out_consts]
-            if step.planner.plan is None:
+            if getattr(step.planner, "request", None) is None:  # a partitioner that only reads the joint graph
+                partition_only(flat_graph(step.gm), values, step.planner)
+            elif step.planner.plan is None:
                 self.fused.plan(flat_graph(step.gm), values)
             return outputs
         tensors = tuple(id(t) for t in state.values())

@@ -207,3 +207,26 @@ def test_a_transformers_model_at_the_least_inductor_names_meets_it():
     plan = optimized.plan
     assert plan.recompute and measured <= least
     assert abs(plan.predicted_peak_bytes - measured) <= 0.02 * measured
+
+
+@needs_compiler
+def test_a_bf16_autocast_step_runs_under_inductor_like_eager():
+    """Forward under bf16 autocast, backward outside it, as training loops write it: the check that backward
+    is the graph planned traces Inductor's joint graph too, and the gradients are eager's to bf16's precision."""
+    model, inputs = _setup()
+    reference = copy.deepcopy(model)
+    optimized = fxmem.optimize(model, budget_gb=1.0, inner="inductor")
+    for _ in range(2):
+        losses = []
+        for module in (reference, optimized):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = module(*inputs)
+            loss.backward()
+            losses.append(loss)
+        torch.testing.assert_close(losses[1], losses[0], rtol=2e-2, atol=2e-2)
+    assert optimized.plan.inner == "inductor"
+    scale = max(p.grad.abs().max().item() for p in reference.parameters())  # bf16 rounds near the largest
+    for (name, expected), got in zip(reference.named_parameters(), optimized.parameters()):
+        assert (expected.grad is None) == (got.grad is None), name
+        torch.testing.assert_close(got.grad, expected.grad, rtol=5e-2, atol=1e-2 * scale,
+                                   msg=lambda m, name=name: f"{name}: {m}")

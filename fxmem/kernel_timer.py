@@ -6,7 +6,9 @@ ones for integers, so indices stay in range), warms up, then times back-to-back 
 wall clock after a device synchronisation, in three windows, keeping the fastest (another process on
 the machine slows a window, never speeds one): the time of one call as a training step sees it, the
 dispatch and launch overhead included (a GPU kernel shorter than its launch is launch-bound).
-Caches the seconds per signature; writes nothing. Ops it cannot run, and ops whose tensors would
+Caches the seconds per signature, for the process (every timer of a device shares what was measured: the
+plans compared while fitting a budget are priced by the same figures, and each kernel is timed once); writes
+nothing. Ops it cannot run, and ops whose tensors would
 take more than `max_bytes`, are left to the caller's roofline estimate (`seconds` returns None).
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ from fxmem.memory import tensors_of
 COMPUTE_NUMEL = 1 << 16  # elements an op's arithmetic is timed on: they stay in cache, so memory is not the limit
 MIN_SECONDS = 2e-3  # time each signature for at least this long (more calls for short kernels)
 MAX_CALLS = 50
+_MEASURED: dict[Hashable, Any] = {}  # (device, signature) -> seconds, shared by this process's timers
 ROUNDS = 3  # the fastest of this many windows: another process sharing the core slows some, never speeds one
 
 
@@ -36,7 +39,7 @@ class KernelTimer:
         self.max_bytes = max_bytes
         self.cache: dict[Hashable, float | None] = {}
         self.per_element: dict[Hashable, float] = {}
-        self.measured = 0
+        self.measured = 0  # signatures this timer answered with a measurement (made here or earlier in the process)
 
     def seconds(self, node: torch.fx.Node) -> float | None:
         """The measured seconds of one call of `node`'s op, or None when it cannot be measured."""
@@ -51,7 +54,11 @@ class KernelTimer:
             return None
         key = (node.target, _signature(args), _signature(kwargs))
         if key not in self.cache:
-            self.cache[key] = self._measure(node.target, args, kwargs)
+            shared = (str(self.device), key)
+            if shared not in _MEASURED:
+                _MEASURED[shared] = self._measure(node.target, args, kwargs)
+            self.cache[key] = _MEASURED[shared]
+            self.measured += self.cache[key] is not None
         return self.cache[key]
 
     def compute_seconds(self, node: torch.fx.Node) -> float:
@@ -67,7 +74,10 @@ class KernelTimer:
             return 0.0
         key = (node.target, source.dtype)
         if key not in self.per_element:
-            self.per_element[key] = self._per_element(node.target, source.dtype)
+            shared = (str(self.device), "per element", key)
+            if shared not in _MEASURED:
+                _MEASURED[shared] = self._per_element(node.target, source.dtype)
+            self.per_element[key] = _MEASURED[shared]
         return self.per_element[key] * made.numel()
 
     def _per_element(self, target: Any, dtype: torch.dtype) -> float:
@@ -99,7 +109,6 @@ class KernelTimer:
             best = min(self._window(target, real_args, real_kwargs) for _ in range(ROUNDS))
         except Exception:  # an op that cannot run on made-up values: priced by the roofline instead
             return None
-        self.measured += 1
         return best
 
     def _window(self, target: Any, args: Any, kwargs: Any) -> float:

@@ -119,3 +119,12 @@ def test_a_unary_ops_arithmetic_is_timed_per_element_and_a_binary_ops_is_not():
     graph = torch.fx.Graph()
     a, b = graph.placeholder("a"), graph.placeholder("b")
     assert timer.compute_seconds(graph.call_function(torch.ops.aten.add.Tensor, (a, b))) == 0.0
+
+
+def test_the_timers_of_a_device_share_what_was_measured(monkeypatch):
+    """Plans compared while fitting one budget are priced by the same figures: a kernel is timed once a process."""
+    (mm, *_) = [n for n in _joint().graph.nodes if n.op == "call_function" and "mm" in str(n.target)]
+    first = KernelTimer("cpu").seconds(mm)
+    second = KernelTimer("cpu")
+    monkeypatch.setattr(second, "_measure", lambda *args: pytest.fail("timed a second time"))
+    assert second.seconds(mm) == first and second.measured == 1

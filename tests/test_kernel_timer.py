@@ -131,3 +131,19 @@ def test_a_timer_answers_the_fastest_time_its_process_measured(monkeypatch):
     faster = KernelTimer("cpu")
     monkeypatch.setattr(faster, "_measure", lambda *args: first / 2)
     assert faster.seconds(mm) == first / 2 and KernelTimer("cpu").seconds(mm) <= first / 2
+
+
+def test_a_random_draw_is_priced_per_element_like_eagers_draw():
+    """Dropout under Inductor draws from a seed inside fused code: on a CPU that costs far more than its bytes."""
+    import torch._inductor.inductor_prims  # noqa: F401  (registers prims.inductor_random)
+
+    def draw(numel):
+        graph = torch.fx.Graph()
+        seed = graph.placeholder("seed")
+        node = graph.call_function(torch.ops.prims.inductor_random.default, ([numel], seed, "rand"))
+        node.meta["val"] = torch.empty(numel)
+        return node
+
+    timer = KernelTimer("cpu")
+    assert timer.compute_seconds(draw(1000)) > 0
+    assert timer.compute_seconds(draw(4000)) == pytest.approx(4 * timer.compute_seconds(draw(1000)))

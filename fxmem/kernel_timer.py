@@ -69,9 +69,9 @@ class KernelTimer:
         if not isinstance(made, torch.Tensor) or made.device.type != self.device.type:
             return 0.0
         if _random_draw(node):
-            mode = node.args[2] if node.target is _inductor_draw("inductor_random") and len(node.args) > 2 else "rand"
+            mode = node.args[2] if node.target is _inductor_draw("inductor_random") else "rand"  # its schema's 3rd
+            draw = torch.randn if mode == "randn" else torch.rand
             dtype = made.dtype if made.is_floating_point() else torch.float32
-            draw = getattr(torch, mode if mode in ("rand", "randn") else "rand")
             key: Hashable = ("draw", draw.__name__, dtype)
             op: Any = lambda x: draw(x.shape, dtype=x.dtype, device=x.device)  # noqa: E731
         elif _unary_pointwise(node):

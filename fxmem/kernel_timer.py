@@ -13,9 +13,11 @@ take more than `max_bytes`, are left to the caller's roofline estimate (`seconds
 """
 from __future__ import annotations
 
+import contextlib
 import operator
+import sys
 import time
-from typing import Any, Hashable
+from typing import Any, Hashable, Iterator
 
 import torch
 import torch.fx
@@ -40,6 +42,7 @@ class KernelTimer:
         self.cache: dict[Hashable, float | None] = {}
         self.per_element: dict[Hashable, float] = {}
         self.measured = 0  # signatures this timer answered with a measurement (made here or earlier in the process)
+        self.failed = ""  # the last op whose arithmetic could not be timed here, and why
 
     def seconds(self, node: torch.fx.Node) -> float | None:
         """The measured seconds of one call of `node`'s op, or None when it cannot be measured."""
@@ -69,10 +72,10 @@ class KernelTimer:
         if not isinstance(made, torch.Tensor) or made.device.type != self.device.type:
             return 0.0
         if _random_draw(node):
-            mode = node.args[2] if node.target is _inductor_draw("inductor_random") else "rand"  # its schema's 3rd
-            draw = torch.randn if mode == "randn" else torch.rand
+            mode = node.args[2] if _is_op(node.target, "prims::inductor_random") else "rand"  # its schema's 3rd
+            draw = torch.ops.aten.randn.default if mode == "randn" else torch.ops.aten.rand.default
             dtype = made.dtype if made.is_floating_point() else torch.float32
-            key: Hashable = ("draw", draw.__name__, dtype)
+            key: Hashable = ("draw", str(draw), dtype)
             op: Any = lambda x: draw(x.shape, dtype=x.dtype, device=x.device)  # noqa: E731
         elif _unary_pointwise(node):
             source = node.args[0].meta.get("val")
@@ -82,28 +85,31 @@ class KernelTimer:
         else:
             return 0.0
         if key not in self.per_element:
-            self.per_element[key] = _fastest((str(self.device), "per element", key), self._per_element(op, dtype))
+            seconds = _fastest((str(self.device), "per element", key), self._per_element(op, dtype))
+            self.per_element[key] = seconds or 0.0  # an op that cannot run here: its arithmetic left out
         return self.per_element[key] * made.numel()
 
-    def _per_element(self, target: Any, dtype: torch.dtype) -> float:
-        with torch._C._DisablePythonDispatcher(), _disable_current_modes():
+    def _per_element(self, target: Any, dtype: torch.dtype) -> float | None:
+        """Seconds per element of `target` on COMPUTE_NUMEL elements beyond a negation's; None (not 0: a later
+        timer tries again) where it cannot run."""
+        with _outside_tracing():
             with torch.no_grad():
-                x = torch.rand(COMPUTE_NUMEL, dtype=dtype, device=self.device) + 0.5  # in every op's domain
-            ops = (torch.ops.aten.neg.default, target)
+                x = torch.ops.aten.rand.default([COMPUTE_NUMEL], dtype=dtype, device=self.device) + 0.5
+            ops = (torch.ops.aten.neg.default, target)  # x + 0.5 lies in every op's domain
             try:
                 for op in ops:
                     op(x)
                 self._sync()
                 # windows of the two ops taken in turn: a slow spell of the machine slows both alike
                 rounds = [[self._window(op, (x,), {}) for op in ops] for _ in range(2 * ROUNDS)]
-            except Exception:  # an op that cannot run here: its arithmetic left out of the price
-                return 0.0
+            except Exception:
+                self.failed = f"{target}: {sys.exc_info()[1]!r}"
+                return None
         negation, op = (min(times) for times in zip(*rounds))
         return max(0.0, op - negation) / COMPUTE_NUMEL
 
     def _measure(self, target: Any, args: Any, kwargs: Any) -> float | None:
-        # The planner runs inside AOTAutograd's tracing, whose Python dispatcher and modes would be timed too.
-        with torch._C._DisablePythonDispatcher(), _disable_current_modes():
+        with _outside_tracing():
             return self._time(target, args, kwargs)
 
     def _time(self, target: Any, args: Any, kwargs: Any) -> float | None:
@@ -154,9 +160,19 @@ def _fastest(key: Hashable, seconds: float | None) -> float | None:
     return _MEASURED.get(key)
 
 
-def _inductor_draw(name: str) -> Any:
-    """Inductor's op `prims.<name>` drawing random numbers from a seed, where Inductor's prims are loaded."""
-    return getattr(getattr(torch.ops.prims, name, None), "default", None)
+@contextlib.contextmanager
+def _outside_tracing() -> Iterator[None]:
+    """The planner runs inside Dynamo's and AOTAutograd's tracing, whose Python dispatcher and modes (dispatch
+    modes, and torch-function modes such as `torch.device(...)`) would be timed too, or would change the op."""
+    with torch._C._DisablePythonDispatcher(), _disable_current_modes(), torch._C.DisableTorchFunction():
+        yield
+
+
+def _is_op(target: Any, name: str) -> bool:
+    """Whether `target` is the op overload schema-named `name` ("prims::inductor_random"), by name: an
+    overload object looked up again need not be the same object."""
+    schema = getattr(target, "_schema", None)
+    return schema is not None and schema.name == name
 
 
 def _random_draw(node: torch.fx.Node) -> bool:
@@ -164,7 +180,7 @@ def _random_draw(node: torch.fx.Node) -> bool:
     if node.op != "call_function":
         return False
     return (torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
-            or node.target in {_inductor_draw("inductor_random"), _inductor_draw("inductor_randint")} - {None})
+            or _is_op(node.target, "prims::inductor_random") or _is_op(node.target, "prims::inductor_randint"))
 
 
 def _unary_pointwise(node: torch.fx.Node) -> bool:

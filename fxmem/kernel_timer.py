@@ -17,7 +17,7 @@ import contextlib
 import operator
 import sys
 import time
-from typing import Any, Hashable, Iterator
+from typing import Any, Callable, Hashable, Iterator
 
 import torch
 import torch.fx
@@ -62,48 +62,51 @@ class KernelTimer:
         return self.cache[key]
 
     def compute_seconds(self, node: torch.fx.Node) -> float:
-        """What `node`'s arithmetic costs inside fused code, where its operands never reach memory: for a unary
-        pointwise op (exp, tanh, log, ...) or a random draw (dropout's, as Inductor draws it from a seed), its
-        seconds per element in cache (COMPUTE_NUMEL elements) less a negation's (the launch and the traffic,
-        which fused code prices once, by its bytes), times the elements it makes. A draw is timed as eager's
-        `torch.rand` (or `randn`): on a CPU, Inductor's fused draws took 5.3 ns an element, eager's 2.9, an
-        affine map 0.2. 0 for other ops: a binary op's arithmetic (an add, a multiply) hides under its traffic."""
+        """What `node`'s arithmetic costs inside fused code, where its operands never reach memory: its seconds
+        per element on COMPUTE_NUMEL elements in cache beyond a baseline's (the launch and the traffic, which
+        fused code prices once, by its bytes), times the elements it makes. A unary pointwise op (exp, tanh,
+        log, ...) is timed against a negation. A random draw (dropout's, as Inductor draws it from a seed in
+        fused code) is timed as Inductor compiles it, `x * (draw > 0.5)` against `x * (x > 0.5)`: Inductor's
+        C++ code runs a Philox engine per element, not eager's generator (on a CPU here, 3-5 ns an element
+        either way, run to run); as eager's `torch.rand` where Inductor cannot compile. 0 for other ops: a
+        binary op's arithmetic (an add, a multiply) hides under its traffic."""
         made = node.meta.get("val")
         if not isinstance(made, torch.Tensor) or made.device.type != self.device.type:
             return 0.0
         if _random_draw(node):
             mode = node.args[2] if _is_op(node.target, "prims::inductor_random") else "rand"  # its schema's 3rd
-            draw = torch.ops.aten.randn.default if mode == "randn" else torch.ops.aten.rand.default
             dtype = made.dtype if made.is_floating_point() else torch.float32
-            key: Hashable = ("draw", str(draw), dtype)
-            op: Any = lambda x: draw(x.shape, dtype=x.dtype, device=x.device)  # noqa: E731
+            key: Hashable = ("draw", mode, dtype)
+            ops: Callable[[torch.Tensor], tuple[Callable, Callable]] = lambda x: _draw_kernels(x, mode)  # noqa: E731
         elif _unary_pointwise(node):
             source = node.args[0].meta.get("val")
             if not isinstance(source, torch.Tensor) or not source.is_floating_point():
                 return 0.0
-            key, op, dtype = (node.target, source.dtype), node.target, source.dtype
+            key, dtype = (node.target, source.dtype), source.dtype
+            ops = lambda x, target=node.target: (torch.ops.aten.neg.default, target)  # noqa: E731
         else:
             return 0.0
         if key not in self.per_element:
-            seconds = _fastest((str(self.device), "per element", key), self._per_element(op, dtype))
+            seconds = _fastest((str(self.device), "per element", key), self._per_element(ops, dtype))
             self.per_element[key] = seconds or 0.0  # an op that cannot run here: its arithmetic left out
         return self.per_element[key] * made.numel()
 
-    def _per_element(self, target: Any, dtype: torch.dtype) -> float | None:
-        """Seconds per element of `target` on COMPUTE_NUMEL elements beyond a negation's; None (not 0: a later
-        timer tries again) where it cannot run."""
+    def _per_element(self, make_ops: Callable[[torch.Tensor], tuple[Callable, Callable]],
+                     dtype: torch.dtype) -> float | None:
+        """Seconds per element of the second of `make_ops(x)`'s two ops beyond the first's, on x of COMPUTE_NUMEL
+        elements; None (not 0: a later timer tries again) where they cannot run."""
         with _outside_tracing():
             with torch.no_grad():
                 x = torch.ops.aten.rand.default([COMPUTE_NUMEL], dtype=dtype, device=self.device) + 0.5
-            ops = (torch.ops.aten.neg.default, target)  # x + 0.5 lies in every op's domain
-            try:
+            try:  # x + 0.5 lies in every op's domain
+                ops = make_ops(x)
                 for op in ops:
                     op(x)
                 self._sync()
                 # windows of the two ops taken in turn: a slow spell of the machine slows both alike
                 rounds = [[self._window(op, (x,), {}) for op in ops] for _ in range(2 * ROUNDS)]
             except Exception:
-                self.failed = f"{target}: {sys.exc_info()[1]!r}"
+                self.failed = f"{ops if 'ops' in locals() else make_ops}: {sys.exc_info()[1]!r}"
                 return None
         negation, op = (min(times) for times in zip(*rounds))
         return max(0.0, op - negation) / COMPUTE_NUMEL
@@ -158,6 +161,26 @@ def _fastest(key: Hashable, seconds: float | None) -> float | None:
         earlier = _MEASURED.get(key)
         _MEASURED[key] = seconds if earlier is None else min(earlier, seconds)
     return _MEASURED.get(key)
+
+
+def _draw_kernels(x: torch.Tensor, mode: str) -> tuple[Callable, Callable]:
+    """Inductor's fused code for `x * (x > 0.5)` and for `x * (draw > 0.5)`, compiled for `x`, its draw made
+    as Inductor makes it (from a seed, unless Inductor's `fallback_random` says eager's draw); eager's
+    `x * (x > 0.5)` and `torch.rand` / `randn` where Inductor cannot compile here (no C++ compiler)."""
+    eager_draw = torch.ops.aten.randn.default if mode == "randn" else torch.ops.aten.rand.default
+
+    def draw(y: torch.Tensor) -> torch.Tensor:
+        return eager_draw(y.shape, dtype=y.dtype, device=y.device)
+
+    kernels = (lambda y: (y * (y > 0.5),), lambda y: (y * (draw(y) > 0.5),))
+    try:
+        from torch._inductor.compile_fx import compile_fx
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        with torch._guards.tracing(None):  # apart from the trace this planner may be running in
+            return tuple(compile_fx(make_fx(kernel)(x), [x]) for kernel in kernels)  # type: ignore[return-value]
+    except Exception:
+        return kernels
 
 
 @contextlib.contextmanager

@@ -141,8 +141,9 @@ def test_a_timer_answers_the_fastest_time_its_process_measured(monkeypatch):
     assert faster.seconds(mm) == first / 2 and KernelTimer("cpu").seconds(mm) <= first / 2
 
 
-def test_a_random_draw_is_priced_per_element_like_eagers_draw():
-    """Dropout under Inductor draws from a seed inside fused code: on a CPU that costs far more than its bytes."""
+def test_a_random_draw_is_priced_per_element_as_inductor_draws():
+    """Dropout under Inductor draws from a seed inside fused code (a Philox engine per element on a CPU): that
+    costs far more than its bytes, and is timed as Inductor compiles it."""
     import torch._inductor.inductor_prims  # noqa: F401  (registers prims.inductor_random)
 
     def draw(numel):

@@ -13,6 +13,7 @@ round-robin over every configuration, so a change of load hits each alike.
 examples:
   python scripts/bench_inductor.py --model gpt-tiny
   python scripts/bench_inductor.py --model gpt2-hf --knapsack 0.5,0.2 --repeats 5
+  python scripts/bench_inductor.py --model gpt2-hf --dropout 0.1 --knapsack 0.5 --inners inductor
   python scripts/bench_inductor.py --model llama-hf --knapsack 0.8,0.5,0.2 --inners inductor
   python scripts/bench_inductor.py --model gpt2-124m --batch 8 --seq 1024 --device cuda --full-ac \
       --knapsack 0.5,0.2 --inners inductor
@@ -34,7 +35,7 @@ from fxmem.measure import loss_of, measure_peak_bytes
 MiB = 2**20
 
 
-def build(name, batch, seq):
+def build(name, batch, seq, dropout=0.0):
     if name == "gpt2-124m":  # GPT-2 small's shape, labels= (the loss inside the model), dropout 0
         from bench_floor import gpt2
         model, ids = gpt2(f"12x768x{batch}x{seq}")
@@ -43,7 +44,8 @@ def build(name, batch, seq):
         import transformers as t
         torch.manual_seed(0)
         model = t.GPT2LMHeadModel(t.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=8000, n_positions=256,
-                                               use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+                                               use_cache=False, resid_pdrop=dropout, embd_pdrop=dropout,
+                                               attn_pdrop=dropout))
         ids = torch.randint(0, 8000, (4, 256))
         return model, (), {"input_ids": ids, "labels": ids}
     if name == "llama-hf":
@@ -56,7 +58,7 @@ def build(name, batch, seq):
         return model, (), {"input_ids": ids, "labels": ids}
     from fxmem import models
     torch.manual_seed(0)
-    return models.from_name(name, dropout=0.0), models.example_inputs(name), {}
+    return models.from_name(name, dropout=dropout), models.example_inputs(name), {}
 
 
 def step_seconds(module, args, kwargs):
@@ -82,11 +84,13 @@ def main():
     p.add_argument("--inners", default="aot_eager,inductor", help="fxmem's inner compilers to run")
     p.add_argument("--knapsack", default="0.5,0.2", help="torch.compile activation_memory_budget fractions (\"\" for none)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--dropout", type=float, default=0.0, help="gpt2-hf and zoo presets: dropout everywhere (default 0: "
+                   "exact comparisons; transformers' GPT-2 trains with 0.1)")
     p.add_argument("--time-limit", type=float, default=5.0)
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                    help="price fxmem's plans by the device preset instead of timing kernels and the memory rate here")
     a = p.parse_args()
-    model, args, kwargs = build(a.model, a.batch, a.seq)
+    model, args, kwargs = build(a.model, a.batch, a.seq, a.dropout)
     model = model.to(a.device)
     args = tuple(x.to(a.device) for x in args)
     kwargs = {k: v.to(a.device) for k, v in kwargs.items()}

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import operator
-import sys
 import time
 from typing import Any, Callable, Hashable, Iterator
 
@@ -30,6 +29,7 @@ COMPUTE_NUMEL = 1 << 16  # elements an op's arithmetic is timed on: they stay in
 MIN_SECONDS = 2e-3  # time each signature for at least this long (more calls for short kernels)
 MAX_CALLS = 50
 _MEASURED: dict[Hashable, float] = {}  # (device, signature) -> the fastest seconds this process measured
+_DRAW_KERNELS: dict[Hashable, tuple[Callable, Callable]] = {}  # (device, dtype, mode) -> `_draw_kernels`' pair
 ROUNDS = 3  # the fastest of this many windows: another process sharing the core slows some, never speeds one
 
 
@@ -42,7 +42,7 @@ class KernelTimer:
         self.cache: dict[Hashable, float | None] = {}
         self.per_element: dict[Hashable, float] = {}
         self.measured = 0  # signatures this timer answered with a measurement (made here or earlier in the process)
-        self.failed = ""  # the last op whose arithmetic could not be timed here, and why
+        self.failed = ""  # why the last per-element timing could not run here
 
     def seconds(self, node: torch.fx.Node) -> float | None:
         """The measured seconds of one call of `node`'s op, or None when it cannot be measured."""
@@ -105,8 +105,8 @@ class KernelTimer:
                 self._sync()
                 # windows of the two ops taken in turn: a slow spell of the machine slows both alike
                 rounds = [[self._window(op, (x,), {}) for op in ops] for _ in range(2 * ROUNDS)]
-            except Exception:
-                self.failed = f"{ops if 'ops' in locals() else make_ops}: {sys.exc_info()[1]!r}"
+            except Exception as error:
+                self.failed = repr(error)
                 return None
         negation, op = (min(times) for times in zip(*rounds))
         return max(0.0, op - negation) / COMPUTE_NUMEL
@@ -164,9 +164,16 @@ def _fastest(key: Hashable, seconds: float | None) -> float | None:
 
 
 def _draw_kernels(x: torch.Tensor, mode: str) -> tuple[Callable, Callable]:
-    """Inductor's fused code for `x * (x > 0.5)` and for `x * (draw > 0.5)`, compiled for `x`, its draw made
-    as Inductor makes it (from a seed, unless Inductor's `fallback_random` says eager's draw); eager's
-    `x * (x > 0.5)` and `torch.rand` / `randn` where Inductor cannot compile here (no C++ compiler)."""
+    """Inductor's fused code for `x * (x > 0.5)` and for `x * (draw > 0.5)`, compiled for `x` once a process,
+    its draw made as Inductor makes it (from a seed, unless Inductor's `fallback_random` says eager's draw);
+    eager's `x * (x > 0.5)` and `torch.rand` / `randn` where Inductor cannot compile here (no C++ compiler)."""
+    key = (str(x.device), x.dtype, mode)
+    if key not in _DRAW_KERNELS:
+        _DRAW_KERNELS[key] = _compile_draw_kernels(x, mode)
+    return _DRAW_KERNELS[key]
+
+
+def _compile_draw_kernels(x: torch.Tensor, mode: str) -> tuple[Callable, Callable]:
     eager_draw = torch.ops.aten.randn.default if mode == "randn" else torch.ops.aten.rand.default
 
     def draw(y: torch.Tensor) -> torch.Tensor:

@@ -94,7 +94,8 @@ class KernelTimer:
     def _per_element(self, make_ops: Callable[[torch.Tensor], tuple[Callable, Callable]],
                      dtype: torch.dtype) -> float | None:
         """Seconds per element of the second of `make_ops(x)`'s two ops beyond the first's, on x of COMPUTE_NUMEL
-        elements; None (not 0: a later timer tries again) where they cannot run."""
+        elements; None where they cannot run or the second was no slower (not 0, which the process's fastest
+        figure would keep for good: a later timer tries again)."""
         with _outside_tracing():
             with torch.no_grad():
                 x = torch.ops.aten.rand.default([COMPUTE_NUMEL], dtype=dtype, device=self.device) + 0.5
@@ -108,8 +109,11 @@ class KernelTimer:
             except Exception as error:
                 self.failed = repr(error)
                 return None
-        negation, op = (min(times) for times in zip(*rounds))
-        return max(0.0, op - negation) / COMPUTE_NUMEL
+        baseline, op = (min(times) for times in zip(*rounds))
+        if op <= baseline:  # not a figure to keep for the process: a later timer tries again
+            self.failed = f"timed no slower than its baseline ({op:.3g} s against {baseline:.3g} s)"
+            return None
+        return (op - baseline) / COMPUTE_NUMEL
 
     def _measure(self, target: Any, args: Any, kwargs: Any) -> float | None:
         with _outside_tracing():

@@ -121,7 +121,7 @@ def test_a_unary_ops_arithmetic_is_timed_per_element_and_a_binary_ops_is_not():
     """compute_seconds: what a tanh costs beyond its traffic, per element made; an add's hides under its bytes."""
     timer = KernelTimer("cpu")
     small, large = _unary(torch.ops.aten.tanh.default, 1000), _unary(torch.ops.aten.tanh.default, 3000)
-    assert timer.compute_seconds(small) > 0
+    assert timer.compute_seconds(small) > 0, timer.failed
     assert timer.compute_seconds(large) == pytest.approx(3 * timer.compute_seconds(small))  # timed once per op and dtype
     assert len(timer.per_element) == 1
     graph = torch.fx.Graph()
@@ -154,5 +154,5 @@ def test_a_random_draw_is_priced_per_element_as_inductor_draws():
         return node
 
     timer = KernelTimer("cpu")
-    assert timer.compute_seconds(draw(1000)) > 0, timer.failed or "timed no slower than a negation"
+    assert timer.compute_seconds(draw(1000)) > 0, timer.failed
     assert timer.compute_seconds(draw(4000)) == pytest.approx(4 * timer.compute_seconds(draw(1000)))

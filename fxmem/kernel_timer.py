@@ -8,7 +8,9 @@ the machine slows a window, never speeds one): the time of one call as a trainin
 dispatch and launch overhead included (a GPU kernel shorter than its launch is launch-bound).
 Caches the seconds per signature; each timer answers the fastest its process has measured for a
 signature (a virtual machine's kernels run up to 1.6x slower for seconds at a time, so one timer's windows can
-all fall in a slow spell); writes nothing. Ops it cannot run, and ops whose tensors would
+all fall in a slow spell); writes nothing. Per-element arithmetic (`compute_seconds`) is timed on one CPU
+thread and shared by the step's threads: a parallel kernel beside another busy process is timed by the
+scheduler, not by its arithmetic. Ops it cannot run, and ops whose tensors would
 take more than `max_bytes`, are left to the caller's roofline estimate (`seconds` returns None).
 """
 from __future__ import annotations
@@ -96,7 +98,8 @@ class KernelTimer:
         """Seconds per element of the second of `make_ops(x)`'s two ops beyond the first's, on x of COMPUTE_NUMEL
         elements; None where they cannot run or the second was no slower (not 0, which the process's fastest
         figure would keep for good: a later timer tries again)."""
-        with _outside_tracing():
+        threads = torch.get_num_threads() if self.device.type == "cpu" else 1
+        with _outside_tracing(), _one_thread(self.device):
             with torch.no_grad():
                 x = torch.ops.aten.rand.default([COMPUTE_NUMEL], dtype=dtype, device=self.device) + 0.5
             try:  # x + 0.5 lies in every op's domain
@@ -113,7 +116,7 @@ class KernelTimer:
         if op <= baseline:  # not a figure to keep for the process: a later timer tries again
             self.failed = f"timed no slower than its baseline ({op:.3g} s against {baseline:.3g} s)"
             return None
-        return (op - baseline) / COMPUTE_NUMEL
+        return (op - baseline) / COMPUTE_NUMEL / threads
 
     def _measure(self, target: Any, args: Any, kwargs: Any) -> float | None:
         with _outside_tracing():
@@ -192,6 +195,21 @@ def _compile_draw_kernels(x: torch.Tensor, mode: str) -> tuple[Callable, Callabl
             return tuple(compile_fx(make_fx(kernel)(x), [x]) for kernel in kernels)  # type: ignore[return-value]
     except Exception:
         return kernels
+
+
+@contextlib.contextmanager
+def _one_thread(device: torch.device) -> Iterator[None]:
+    """On a CPU, kernels run (and Inductor compiles them) on one thread: a parallel kernel waits at its barrier
+    for a core another process holds, for a whole time slice (8-16 ms a call on 65536 elements here, either op
+    of a pair, which made one op seem faster than its baseline); one thread's arithmetic is shared evenly by
+    the step's threads (per element, 2 threads ran 0.93-0.94x one thread's figure halved, here)."""
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @contextlib.contextmanager

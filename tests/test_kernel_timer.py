@@ -10,7 +10,7 @@ import torch
 import fxmem
 from fxmem import models
 from fxmem.cost import DEVICE_PRESETS, estimate, preset_for
-from fxmem.kernel_timer import KernelTimer
+from fxmem.kernel_timer import COMPUTE_NUMEL, KernelTimer
 from tests.conftest import joint_of
 
 
@@ -156,3 +156,28 @@ def test_a_random_draw_is_priced_per_element_as_inductor_draws():
     timer = KernelTimer("cpu")
     assert timer.compute_seconds(draw(1000)) > 0, timer.failed
     assert timer.compute_seconds(draw(4000)) == pytest.approx(4 * timer.compute_seconds(draw(1000)))
+
+
+def test_per_element_arithmetic_is_timed_on_one_thread_and_shared_by_the_steps_threads(monkeypatch):
+    """A parallel kernel waits at its barrier for a core another process holds (a whole time slice a call), so
+    either op of a pair can seem the faster: the pair runs on one thread, and its figure is shared by the
+    step's threads, which are restored afterwards."""
+    seen = []
+
+    def window(self, op, args, kwargs):
+        seen.append(torch.get_num_threads())
+        return 2e-3 if op is torch.ops.aten.exp.default else 1e-3
+
+    monkeypatch.setattr(KernelTimer, "_window", window)
+    ops = lambda x: (torch.ops.aten.neg.default, torch.ops.aten.exp.default)  # noqa: E731
+    before = torch.get_num_threads()
+    try:
+        figures = {}
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            figures[threads] = KernelTimer("cpu")._per_element(ops, torch.float32)
+            assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
+    assert set(seen) == {1}
+    assert figures[1] == pytest.approx(1e-3 / COMPUTE_NUMEL) and figures[2] == pytest.approx(figures[1] / 2)

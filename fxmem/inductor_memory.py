@@ -35,13 +35,16 @@ class KernelWork:
     buffers' reads and writes (Inductor's own count, each buffer at most once), `flops` its FLOPs (torch's
     formulas, for matmuls and attention), `dtype` its first output's; `origin` the op of the lowered graph
     an aten kernel runs (a matmul, attention; None for fused code), which a kernel timer can time; `parts`
-    the ops of the lowered graph fused code computes (empty for an aten kernel)."""
+    the ops of the lowered graph fused code computes (empty for an aten kernel); `narrow` its loads and stores
+    of one-byte buffers, ("load" | "store", dtype, elements) (a dropout's mask, a ReLU's: on a CPU, Inductor's
+    code moves them through vectors of 64 lanes in loops of 16 floats, far slower than their bytes)."""
 
     bytes_moved: int
     flops: int
     dtype: torch.dtype | None = None
     origin: torch.fx.Node | None = None
     parts: tuple[torch.fx.Node, ...] = ()
+    narrow: tuple[tuple[str, torch.dtype, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +143,8 @@ def scheduled_graph(nodes: Sequence[Any]) -> ScheduledGraph:
         done, cpp = _work(node), _cpp_fused(node)
         if cpp and joins:  # one C++ function, launched once
             work[-1] = dataclasses.replace(work[-1], bytes_moved=work[-1].bytes_moved + done.bytes_moved,
-                                           flops=work[-1].flops + done.flops, parts=work[-1].parts + done.parts)
+                                           flops=work[-1].flops + done.flops, parts=work[-1].parts + done.parts,
+                                           narrow=work[-1].narrow + done.narrow)
         else:
             work.append(done)
         joins = cpp
@@ -171,7 +175,31 @@ def _work(node: Any) -> KernelWork:
         return KernelWork(moved, flops, dtype, _aten_origin(node.node))
     parts = {origin: None for part in node.get_nodes() if getattr(part, "node", None) is not None
              for origin in getattr(part.node, "origins", ())}
-    return KernelWork(moved, flops, dtype, None, tuple(parts))
+    return KernelWork(moved, flops, dtype, None, tuple(parts), _narrow_accesses(node))
+
+
+NARROW_DTYPES = (torch.bool, torch.uint8, torch.int8)
+
+
+def _narrow_accesses(node: Any) -> tuple[tuple[str, torch.dtype, int], ...]:
+    """Fused node `node`'s loads and stores of one-byte buffers, by Inductor's count of the bytes it moves
+    (each buffer at most once; buffers that never leave the kernel left out)."""
+    from torch._inductor.virtualized import V
+
+    found = []
+    for direction, reads in (("load", True), ("store", False)):
+        try:
+            moved = node.get_read_write_buffer_accesses(include_reads=reads, include_writes=not reads)
+        except Exception:  # a node Inductor cannot count: its narrow traffic left out, as its bytes are
+            continue
+        for buffer, nbytes in moved.items():
+            try:
+                dtype = V.graph.get_dtype(buffer)
+            except Exception:
+                continue
+            if dtype in NARROW_DTYPES and nbytes:
+                found.append((direction, dtype, int(nbytes)))
+    return tuple(found)
 
 
 def _aten_origin(kernel: Any) -> torch.fx.Node | None:

@@ -7,7 +7,8 @@ calls (a matmul, attention; `KernelWork.origin`) is timed on the device here whe
 given (`fxmem.kernel_timer`, the planner's `calibrate`), else priced by the device's roofline; fused
 code is priced by the roofline on the bytes it reads and writes (Inductor's count), which is what
 a pointwise chain costs once fused: its memory traffic, and one launch, plus, where a timer is given,
-the arithmetic of its costly ops (exp, tanh, log: on a CPU, more than their traffic) as timed in cache.
+the arithmetic of its costly ops (exp, tanh, log: on a CPU, more than their traffic) as timed in cache,
+and its loads and stores of one-byte values (masks), which on a CPU cost far more than their bytes.
 
 Reads `ScheduledGraph`s and a `fxmem.cost.DeviceSpec`; writes nothing.
 """
@@ -22,7 +23,8 @@ def kernel_seconds(work: KernelWork, device: DeviceSpec, timer: KernelTimer | No
     """Seconds of one kernel: an aten kernel as `timer` measures its op, where it can; else the slower
     of its FLOPs and its bytes at the device's rates, plus the device's per-kernel overhead, and for fused
     code, where a timer is given, its ops' arithmetic as the timer measures it in cache (`compute_seconds`:
-    an exp, a tanh cost more than the bytes they read on a CPU)."""
+    an exp, a tanh cost more than the bytes they read on a CPU) and its one-byte loads and stores
+    (`access_seconds`)."""
     if work.origin is not None and timer is not None:
         measured = timer.seconds(work.origin)
         if measured is not None:
@@ -30,7 +32,8 @@ def kernel_seconds(work: KernelWork, device: DeviceSpec, timer: KernelTimer | No
     roofline = device.seconds(work.flops, work.bytes_moved, work.dtype)
     if timer is None:
         return roofline
-    return roofline + sum(timer.compute_seconds(part) for part in work.parts)
+    return (roofline + sum(timer.compute_seconds(part) for part in work.parts)
+            + sum(timer.access_seconds(*access) for access in work.narrow))
 
 
 def graph_seconds(graph: ScheduledGraph, device: DeviceSpec,

@@ -28,6 +28,9 @@ class _Timer:
     def compute_seconds(self, node):
         return 0.0
 
+    def access_seconds(self, direction, dtype, elements):
+        return 0.0
+
 
 def _matmul_node() -> torch.fx.Node:
     graph = torch.fx.Graph()
@@ -105,3 +108,29 @@ def test_attention_is_timed_as_the_kernel_it_calls_and_a_fused_tanh_costs_its_ar
     (tanh,) = [p for p in fused.parts if p.target is torch.ops.aten.tanh.default]
     assert kernel_seconds(fused, cpu, timer) == kernel_seconds(fused, cpu) + sum(
         timer.compute_seconds(p) for p in fused.parts)
+
+
+class _Dropout(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(32, 96)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(torch.nn.functional.dropout(self.linear(x), 0.1, training=True))
+
+
+@needs_compiler
+def test_fused_code_that_stores_a_mask_pays_for_its_one_byte_stores():
+    """A dropout's mask, saved for backward, is stored as bools by fused code: on a CPU far dearer than its
+    bytes, so the kernel pays what the timer measures per bool stored."""
+    cpu = DEVICE_PRESETS["cpu"]
+    forward = _forward_as_inductor_runs_it(_Dropout(), torch.randn(2, 64, 32))
+    (masked,) = [w for w in forward.work if w.narrow]
+    assert masked.narrow == (("store", torch.bool, 2 * 64 * 96),)
+
+    class Priced(_Timer):
+        def access_seconds(self, direction, dtype, elements):
+            return 1e-9 * elements if (direction, dtype) == ("store", torch.bool) else 0.0
+
+    timer = Priced(lambda n: None)
+    assert kernel_seconds(masked, cpu, timer) == pytest.approx(kernel_seconds(masked, cpu) + 1e-9 * 2 * 64 * 96)

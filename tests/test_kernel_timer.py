@@ -10,6 +10,7 @@ import torch
 import fxmem
 from fxmem import models
 from fxmem.cost import DEVICE_PRESETS, estimate, preset_for
+from fxmem.inductor_step import has_cxx_compiler
 from fxmem.kernel_timer import COMPUTE_NUMEL, KernelTimer
 from tests.conftest import joint_of
 
@@ -181,3 +182,14 @@ def test_per_element_arithmetic_is_timed_on_one_thread_and_shared_by_the_steps_t
         torch.set_num_threads(before)
     assert set(seen) == {1}
     assert figures[1] == pytest.approx(1e-3 / COMPUTE_NUMEL) and figures[2] == pytest.approx(figures[1] / 2)
+
+
+@pytest.mark.skipif(not has_cxx_compiler(), reason="Inductor on CPU needs a C++ compiler")
+def test_a_bool_stored_by_fused_code_is_priced_per_element_beyond_its_byte():
+    """Inductor's C++ code stores a bool mask through 64-lane vectors in loops of 16 floats: several ns an
+    element here, where a float costs a tenth of one. Timed as Inductor compiles both, once per kind."""
+    timer = KernelTimer("cpu")
+    stored = timer.access_seconds("store", torch.bool, 1000)
+    assert stored > 0, timer.failed
+    assert timer.access_seconds("store", torch.bool, 3000) == pytest.approx(3 * stored)
+    assert set(timer.per_element) == {("store", torch.bool)}

@@ -61,6 +61,16 @@ def build(name, batch, seq, dropout=0.0):
     return models.from_name(name, dropout=dropout), models.example_inputs(name), {}
 
 
+def own_inductor():
+    """Inductor as `torch.compile`'s default runs it, as a backend of its own. Dynamo keeps compiled code on the
+    model class's `forward` and reuses it for another copy whose backend compares equal, which every default
+    `torch.compile` does: each budget's row ran the first row compiled (llama-hf: 135.14 MiB for
+    `torch.compile`'s default, 187.81 MiB compiled alone)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return lambda gm, example_inputs: compile_fx(gm, example_inputs)
+
+
 def step_seconds(module, args, kwargs):
     module.zero_grad(set_to_none=True)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
@@ -99,10 +109,10 @@ def main():
         from baselines import full_ac
         configs["full checkpointing"] = full_ac(copy.deepcopy(model))
     torch._dynamo.reset()
-    configs["torch.compile"] = torch.compile(copy.deepcopy(model))
+    configs["torch.compile"] = torch.compile(copy.deepcopy(model), backend=own_inductor())
     for fraction in [float(f) for f in a.knapsack.split(",") if f]:
         with torch._functorch.config.patch(activation_memory_budget=fraction):
-            module = torch.compile(copy.deepcopy(model))
+            module = torch.compile(copy.deepcopy(model), backend=own_inductor())
             step_seconds(module, args, kwargs)  # compiles under the patched budget
         configs[f"torch.compile budget {fraction}"] = module
     for name, module in list(configs.items()):

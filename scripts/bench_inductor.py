@@ -15,6 +15,7 @@ examples:
   python scripts/bench_inductor.py --model gpt2-hf --knapsack 0.5,0.2 --repeats 5
   python scripts/bench_inductor.py --model gpt2-hf --dropout 0.1 --knapsack 0.5 --inners inductor
   python scripts/bench_inductor.py --model llama-hf --knapsack 0.8,0.5,0.2 --inners inductor
+  python scripts/bench_inductor.py --model gpt2-hf --knapsack 0.5,0.2 --inners inductor --drop-outputs
   python scripts/bench_inductor.py --model gpt2-124m --batch 8 --seq 1024 --device cuda --full-ac \
       --knapsack 0.5,0.2 --inners inductor
 """
@@ -97,6 +98,9 @@ def main():
     p.add_argument("--dropout", type=float, default=0.0, help="gpt2-hf and zoo presets: dropout everywhere (default 0: "
                    "exact comparisons; transformers' GPT-2 trains with 0.1)")
     p.add_argument("--time-limit", type=float, default=5.0)
+    p.add_argument("--drop-outputs", dest="keep_outputs", action="store_false",
+                   help="plan fxmem for a loop that drops the model's outputs before backward, as this bench's "
+                        "step does (keep_outputs=False: the loss alone is returned, and may be computed in chunks)")
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                    help="price fxmem's plans by the device preset instead of timing kernels and the memory rate here")
     a = p.parse_args()
@@ -127,7 +131,8 @@ def main():
         for inner in a.inners.split(","):
             label = f"fxmem {inner}, nothing recomputed" if name is None else f"fxmem {inner} at {name}'s peak"
             module = fxmem.optimize(copy.deepcopy(model), budget_gb=1024 if name is None else peaks[name] / 2**30,
-                                    inner=inner, time_limit_s=a.time_limit, calibrate=a.calibrate)
+                                    inner=inner, time_limit_s=a.time_limit, calibrate=a.calibrate,
+                                    keep_outputs=a.keep_outputs)
             try:
                 step_seconds(module, args, kwargs)
             except fxmem.InfeasibleBudgetError as exc:  # planned instead at the least it names
@@ -136,7 +141,7 @@ def main():
                 if label in configs:
                     continue
                 module = fxmem.optimize(copy.deepcopy(model), budget_gb=exc.min_budget_bytes / 2**30, inner=inner,
-                                        time_limit_s=a.time_limit, calibrate=a.calibrate)
+                                        time_limit_s=a.time_limit, calibrate=a.calibrate, keep_outputs=a.keep_outputs)
                 step_seconds(module, args, kwargs)
             configs[label], predicted[label] = module, module.plan.predicted_peak_bytes
             predicted_s[label] = module.plan.predicted_step_s

@@ -89,10 +89,7 @@ class KernelTimer:
             ops = lambda x, target=node.target: (torch.ops.aten.neg.default, target)  # noqa: E731
         else:
             return 0.0
-        if key not in self.per_element:
-            seconds = _fastest((str(self.device), "per element", key), self._per_element(ops, dtype))
-            self.per_element[key] = seconds or 0.0  # an op that cannot run here: its arithmetic left out
-        return self.per_element[key] * made.numel()
+        return self._cached_per_element(key, ops, dtype, COMPUTE_NUMEL) * made.numel()
 
     def access_seconds(self, direction: str, dtype: torch.dtype, elements: int) -> float:
         """What fused code's loads or stores (`direction`) of `elements` values of a one-byte `dtype` cost
@@ -100,22 +97,27 @@ class KernelTimer:
         code moving floats in their place, timed as Inductor compiles both. On this project's CPU (AVX-512),
         on one thread, 6.9 ns a bool stored and 1.2 loaded (a mask 90% True; 13.2 and 3.7 half True), against
         0.1 ns a float; 0 where they are no slower (a GPU) or cannot be compiled."""
-        key: Hashable = (direction, dtype)
+        ops = lambda x: _narrow_kernels(x, direction, dtype)  # noqa: E731
+        return self._cached_per_element((direction, dtype), ops, torch.float32, NARROW_NUMEL) * elements
+
+    def _cached_per_element(self, key: Hashable, make_ops: Callable[[torch.Tensor], tuple[Callable, Callable]],
+                            dtype: torch.dtype, numel: int) -> float:
+        """`_per_element`'s figure for `key`, once per timer, the fastest its process measured; 0 where it
+        cannot be timed here (that cost left out of the price)."""
         if key not in self.per_element:
-            ops = lambda x: _narrow_kernels(x, direction, dtype)  # noqa: E731
-            seconds = self._per_element(ops, torch.float32, NARROW_NUMEL)
+            seconds = self._per_element(make_ops, dtype, numel)
             self.per_element[key] = _fastest((str(self.device), "per element", key), seconds) or 0.0
-        return self.per_element[key] * elements
+        return self.per_element[key]
 
     def _per_element(self, make_ops: Callable[[torch.Tensor], tuple[Callable, Callable]],
-                     dtype: torch.dtype, numel: int = 0) -> float | None:
+                     dtype: torch.dtype, numel: int = COMPUTE_NUMEL) -> float | None:
         """Seconds per element of the second of `make_ops(x)`'s two ops beyond the first's, on x of `numel`
-        elements (COMPUTE_NUMEL unless given); None where they cannot run or the second was no slower (not 0, which the process's fastest
-        figure would keep for good: a later timer tries again)."""
+        elements; None where they cannot run or the second was no slower (not 0, which the process's
+        fastest figure would keep for good: a later timer tries again)."""
         threads = torch.get_num_threads() if self.device.type == "cpu" else 1
         with _outside_tracing(), _one_thread(self.device):
             with torch.no_grad():
-                x = torch.ops.aten.rand.default([numel or COMPUTE_NUMEL], dtype=dtype, device=self.device) + 0.5
+                x = torch.ops.aten.rand.default([numel], dtype=dtype, device=self.device) + 0.5
             try:  # x + 0.5 lies in every op's domain
                 ops = make_ops(x)
                 for op in ops:
@@ -130,7 +132,7 @@ class KernelTimer:
         if op <= baseline:  # not a figure to keep for the process: a later timer tries again
             self.failed = f"timed no slower than its baseline ({op:.3g} s against {baseline:.3g} s)"
             return None
-        return (op - baseline) / (numel or COMPUTE_NUMEL) / threads
+        return (op - baseline) / numel / threads
 
     def _measure(self, target: Any, args: Any, kwargs: Any) -> float | None:
         with _outside_tracing():

@@ -2,10 +2,12 @@
 
 Reads graph nodes (their target and `meta["val"]` fake tensors: shapes, strides, dtypes, device);
 runs each distinct op once per signature on real tensors made like its inputs (random floats,
-ones for integers, so indices stay in range), warms up, then times back-to-back calls with the
-wall clock after a device synchronisation, in three windows, keeping the fastest (another process on
-the machine slows a window, never speeds one): the time of one call as a training step sees it, the
-dispatch and launch overhead included (a GPU kernel shorter than its launch is launch-bound).
+ones for integers, so indices stay in range), warms up, then times it with the wall clock in three
+windows, keeping the fastest (another process on the machine slows a window, never speeds one): the
+time of one call as a training step sees it, the dispatch and launch overhead included. On a GPU a
+window is back-to-back calls after a synchronisation (a GPU kernel shorter than its launch is
+launch-bound); on a CPU, the median of calls each timed alone after the caches are flushed, as a
+step's kernels mostly find their operands out of cache.
 Caches the seconds per signature; each timer answers the fastest its process has measured for a
 signature (a virtual machine's kernels run up to 1.6x slower for seconds at a time, so one timer's windows can
 all fall in a slow spell); writes nothing. Per-element arithmetic (`compute_seconds`) is timed on one CPU
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import statistics
 import time
 from typing import Any, Callable, Hashable, Iterator
 
@@ -33,6 +36,9 @@ MIN_SECONDS = 2e-3  # time each signature for at least this long (more calls for
 MAX_CALLS = 50
 _MEASURED: dict[Hashable, float] = {}  # (device, signature) -> the fastest seconds this process measured
 _COMPILED: dict[Hashable, tuple[Callable, Callable]] = {}  # (device, dtype, what) -> a pair Inductor compiled
+COLD_CALLS = 5  # calls a window of an op on a CPU times, each after the caches are flushed
+FLUSH_BYTES = 64 << 20  # written to flush a CPU's caches: twice this project's CPU's last-level cache (32 MiB L3)
+_FLUSH: dict[str, torch.Tensor] = {}
 ROUNDS = 3  # the fastest of this many windows: another process sharing the core slows some, never speeds one
 
 
@@ -140,10 +146,11 @@ class KernelTimer:
 
     def _time(self, target: Any, args: Any, kwargs: Any) -> float | None:
         real_args, real_kwargs = pytree.tree_map_only(torch.Tensor, self._real, (args, kwargs))
+        window = self._cold_window if self.device.type == "cpu" else self._window
         try:
             target(*real_args, **real_kwargs)  # warm-up: caches, autotuning, lazy initialisation
             self._sync()
-            best = min(self._window(target, real_args, real_kwargs) for _ in range(ROUNDS))
+            best = min(window(target, real_args, real_kwargs) for _ in range(ROUNDS))
         except Exception:  # an op that cannot run on made-up values: priced by the roofline instead
             return None
         return best
@@ -161,6 +168,20 @@ class KernelTimer:
                     return first
         self._sync()
         return (time.perf_counter() - started) / calls
+
+    def _cold_window(self, target: Any, args: Any, kwargs: Any) -> float:
+        """The median seconds of COLD_CALLS calls, each timed alone after the caches are flushed (a buffer larger
+        than the last-level cache written): in a step, a kernel's operands were mostly written or read long before
+        it runs. Back to back, a matmul finds its operands in cache and runs faster than in the step (Llama
+        4x256's matmuls here: 157 ms a step timed back to back, 170 cold, 169 in the step as profiled)."""
+        flush = _flush_buffer(self.device)
+        times = []
+        for _ in range(COLD_CALLS):
+            flush.zero_()
+            started = time.perf_counter()
+            target(*args, **kwargs)
+            times.append(time.perf_counter() - started)
+        return statistics.median(times)
 
     def _real(self, fake: torch.Tensor) -> torch.Tensor:
         """A real tensor with `fake`'s shape, strides and storage: random floats, ones otherwise."""
@@ -184,6 +205,13 @@ def _fastest(key: Hashable, seconds: float | None) -> float | None:
         earlier = _MEASURED.get(key)
         _MEASURED[key] = seconds if earlier is None else min(earlier, seconds)
     return _MEASURED.get(key)
+
+
+def _flush_buffer(device: torch.device) -> torch.Tensor:
+    """FLUSH_BYTES on `device`, made once a process: writing it evicts the caches."""
+    if str(device) not in _FLUSH:
+        _FLUSH[str(device)] = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
+    return _FLUSH[str(device)]
 
 
 def _draw_kernels(x: torch.Tensor, mode: str) -> tuple[Callable, Callable]:

@@ -142,6 +142,28 @@ def test_a_timer_answers_the_fastest_time_its_process_measured(monkeypatch):
     assert faster.seconds(mm) == first / 2 and KernelTimer("cpu").seconds(mm) <= first / 2
 
 
+
+def test_an_op_on_a_cpu_is_timed_call_by_call_after_the_caches_are_flushed(monkeypatch):
+    """In a step a matmul's operands were mostly made long before it runs; back to back, it finds them in cache.
+    Each timed call follows a write of a buffer larger than the last-level cache, and the flush is not timed."""
+    from fxmem import kernel_timer
+
+    events = []
+
+    class Flush:
+        def zero_(self):
+            events.append("flush")
+
+    monkeypatch.setattr(kernel_timer, "_flush_buffer", lambda device: Flush())
+    clock = iter(range(1000))
+    monkeypatch.setattr(kernel_timer.time, "perf_counter", lambda: next(clock))
+
+    def op(x):
+        events.append("op")
+
+    assert KernelTimer("cpu")._cold_window(op, (None,), {}) == 1  # each call alone: one tick, the flush untimed
+    assert events == ["flush", "op"] * kernel_timer.COLD_CALLS
+
 def test_a_random_draw_is_priced_per_element_as_inductor_draws():
     """Dropout under Inductor draws from a seed inside fused code (a Philox engine per element on a CPU): that
     costs far more than its bytes, and is timed as Inductor compiles it."""

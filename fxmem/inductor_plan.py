@@ -143,10 +143,11 @@ class FusedPlanning:
         The planner fits its problem to a target (first the budget; below the planner's least, that least),
         the fused step is simulated, and the target moves down by what it overshot (halfway to a target
         that fit) or up by what it left (at least 5%, doubling, halfway to a target that did not fit):
-        at most `FUSED_TRIES` plans, each lowered by Inductor. Where those plans recompute, the
-        plan Inductor's own partitioner would make is tried too (`policies.FUSIBLE`: every pointwise op
-        recomputed, the rest kept), which the unfused graph prices too high. Of the plans that fit, the
-        one predicted fastest; where none fits, the step with nothing recomputed is tried too, and the budget
+        at most `FUSED_TRIES` plans, each lowered by Inductor. The plan Inductor's own partitioner would
+        make is tried too (`policies.FUSIBLE`: every pointwise op recomputed, the rest kept), which the
+        unfused graph prices too high, and which, fused, may be the faster step even where nothing need be
+        recomputed (a pointwise op recomputed inside its reader saves a write and a read). Of the plans that
+        fit, the one predicted fastest; where none fits, the step with nothing recomputed is tried too, and the budget
         refused naming the least fused step tried."""
         from fxmem.errors import InfeasibleBudgetError
         from fxmem.policies import FUSIBLE
@@ -183,9 +184,9 @@ class FusedPlanning:
             if step == target or refusal is not None and step < refusal.min_budget_bytes:
                 break  # no other plan to try (below the planner's least: planned already)
             target = step
-        if all(plan.recompute for plan, _ in fits):
-            plan, fused = self.plan_at(gm, fakes, dataclasses.replace(asked, budget_bytes=None, policy=FUSIBLE))
-            (fits if fused.peak <= limit else over).append((plan, fused))
+        # Inductor's own choice, whatever fit (where nothing need be recomputed too)
+        plan, fused = self.plan_at(gm, fakes, dataclasses.replace(asked, budget_bytes=None, policy=FUSIBLE))
+        (fits if fused.peak <= limit else over).append((plan, fused))
         if not fits:  # nothing recomputed, too: where recomputing does not shrink the fused step, it is the least
             plan, fused = self.plan_at(gm, fakes, dataclasses.replace(asked, budget_bytes=None, policy=None))
             (fits if fused.peak <= limit else over).append((plan, fused))

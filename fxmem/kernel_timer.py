@@ -170,13 +170,14 @@ class KernelTimer:
         return (time.perf_counter() - started) / calls
 
     def _cold_window(self, target: Any, args: Any, kwargs: Any) -> float:
-        """The median seconds of COLD_CALLS calls, each timed alone after the caches are flushed (a buffer larger
-        than the last-level cache written): in a step, a kernel's operands were mostly written or read long before
-        it runs. Back to back, a matmul finds its operands in cache and runs faster than in the step (Llama
-        4x256's matmuls here: 157 ms a step timed back to back, 170 cold, 169 in the step as profiled)."""
+        """The median seconds of COLD_CALLS calls (fewer, for MIN_SECONDS in all), each timed alone after the
+        caches are flushed (a buffer larger than the last-level cache written): in a step, a kernel's operands
+        were mostly written or read long before it runs. Back to back, a matmul finds its operands in cache and
+        runs faster than in the step (Llama 4x256's matmuls here: 157 ms a step timed back to back, 170 cold,
+        169 in the step as profiled)."""
         flush = _flush_buffer(self.device)
-        times = []
-        for _ in range(COLD_CALLS):
+        times: list[float] = []
+        while len(times) < COLD_CALLS and sum(times) < MIN_SECONDS:  # a long kernel: one timed call is enough
             flush.zero_()
             started = time.perf_counter()
             target(*args, **kwargs)

@@ -155,14 +155,19 @@ def test_an_op_on_a_cpu_is_timed_call_by_call_after_the_caches_are_flushed(monke
             events.append("flush")
 
     monkeypatch.setattr(kernel_timer, "_flush_buffer", lambda device: Flush())
+    tick = 1e-6
     clock = iter(range(1000))
-    monkeypatch.setattr(kernel_timer.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(kernel_timer.time, "perf_counter", lambda: next(clock) * tick)
 
     def op(x):
         events.append("op")
 
-    assert KernelTimer("cpu")._cold_window(op, (None,), {}) == 1  # each call alone: one tick, the flush untimed
+    timer = KernelTimer("cpu")
+    assert timer._cold_window(op, (None,), {}) == pytest.approx(tick)  # each call alone: one tick, the flush untimed
     assert events == ["flush", "op"] * kernel_timer.COLD_CALLS
+    events.clear()
+    tick = 2 * kernel_timer.MIN_SECONDS
+    assert timer._cold_window(op, (None,), {}) == pytest.approx(tick) and events == ["flush", "op"]  # a long kernel
 
 def test_a_random_draw_is_priced_per_element_as_inductor_draws():
     """Dropout under Inductor draws from a seed inside fused code (a Philox engine per element on a CPU): that

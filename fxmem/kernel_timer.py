@@ -6,8 +6,8 @@ ones for integers, so indices stay in range), warms up, then times it with the w
 windows, keeping the fastest (another process on the machine slows a window, never speeds one): the
 time of one call as a training step sees it, the dispatch and launch overhead included. On a GPU a
 window is back-to-back calls after a synchronisation (a GPU kernel shorter than its launch is
-launch-bound); on a CPU, the median of calls each timed alone after the caches are flushed, as a
-step's kernels mostly find their operands out of cache.
+launch-bound); on a CPU, for operands of 2 MiB and more, the median of calls each timed alone after
+the caches are flushed, as a step's kernels mostly find such operands out of cache.
 Caches the seconds per signature; each timer answers the fastest its process has measured for a
 signature (a virtual machine's kernels run up to 1.6x slower for seconds at a time, so one timer's windows can
 all fall in a slow spell); writes nothing. Per-element arithmetic (`compute_seconds`) is timed on one CPU
@@ -37,6 +37,9 @@ MAX_CALLS = 50
 _MEASURED: dict[Hashable, float] = {}  # (device, signature) -> the fastest seconds this process measured
 _COMPILED: dict[Hashable, tuple[Callable, Callable]] = {}  # (device, dtype, what) -> a pair Inductor compiled
 COLD_CALLS = 5  # calls a window of an op on a CPU times, each after the caches are flushed
+COLD_MIN_BYTES = 2 << 20  # operands (inputs) from this size are timed cold: a core's L2 here. A smaller op's cost is its
+# dispatch, which runs hot in a step; timed after a flush (the interpreter's and dispatcher's state evicted too), a
+# one-element op took microseconds more, and the overheads measured per step and per parameter came out 0
 FLUSH_BYTES = 64 << 20  # written to flush a CPU's caches: twice this project's CPU's last-level cache (32 MiB L3)
 _FLUSH: dict[str, torch.Tensor] = {}
 ROUNDS = 3  # the fastest of this many windows: another process sharing the core slows some, never speeds one
@@ -146,7 +149,10 @@ class KernelTimer:
 
     def _time(self, target: Any, args: Any, kwargs: Any) -> float | None:
         real_args, real_kwargs = pytree.tree_map_only(torch.Tensor, self._real, (args, kwargs))
-        window = self._cold_window if self.device.type == "cpu" else self._window
+        nbytes = sum(t.untyped_storage().nbytes() for t in pytree.tree_leaves((real_args, real_kwargs))
+                     if isinstance(t, torch.Tensor))
+        cold = self.device.type == "cpu" and nbytes >= COLD_MIN_BYTES
+        window = self._cold_window if cold else self._window
         try:
             target(*real_args, **real_kwargs)  # warm-up: caches, autotuning, lazy initialisation
             self._sync()

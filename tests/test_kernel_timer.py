@@ -169,6 +169,23 @@ def test_an_op_on_a_cpu_is_timed_call_by_call_after_the_caches_are_flushed(monke
     tick = 2 * kernel_timer.MIN_SECONDS
     assert timer._cold_window(op, (None,), {}) == pytest.approx(tick) and events == ["flush", "op"]  # a long kernel
 
+
+def test_only_ops_on_operands_larger_than_a_cores_cache_are_timed_cold(monkeypatch):
+    """A small op's cost is its dispatch, which runs hot in a step: timed after a flush, a one-element op cost
+    microseconds more, and the step's fixed overheads measured as the rest came out 0."""
+    from fxmem import kernel_timer
+
+    flushes = []
+
+    class Flush:
+        def zero_(self):
+            flushes.append(1)
+
+    monkeypatch.setattr(kernel_timer, "_flush_buffer", lambda device: Flush())
+    timer, neg = KernelTimer("cpu"), torch.ops.aten.neg.default
+    assert timer._time(neg, (torch.ones(16),), {}) > 0 and not flushes
+    assert timer._time(neg, (torch.ones(kernel_timer.COLD_MIN_BYTES // 4),), {}) > 0 and flushes
+
 def test_a_random_draw_is_priced_per_element_as_inductor_draws():
     """Dropout under Inductor draws from a seed inside fused code (a Philox engine per element on a CPU): that
     costs far more than its bytes, and is timed as Inductor compiles it."""

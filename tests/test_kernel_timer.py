@@ -143,18 +143,24 @@ def test_a_timer_answers_the_fastest_time_its_process_measured(monkeypatch):
 
 
 
-def test_an_op_on_a_cpu_is_timed_call_by_call_after_the_caches_are_flushed(monkeypatch):
-    """In a step a matmul's operands were mostly made long before it runs; back to back, it finds them in cache.
-    Each timed call follows a write of a buffer larger than the last-level cache, and the flush is not timed."""
+def _recorded_flushes(monkeypatch, events: list) -> None:
+    """The timer's cache flush replaced by one that appends "flush" to `events`."""
     from fxmem import kernel_timer
-
-    events = []
 
     class Flush:
         def zero_(self):
             events.append("flush")
 
     monkeypatch.setattr(kernel_timer, "_flush_buffer", lambda device: Flush())
+
+
+def test_an_op_on_a_cpu_is_timed_call_by_call_after_the_caches_are_flushed(monkeypatch):
+    """In a step a matmul's operands were mostly made long before it runs; back to back, it finds them in cache.
+    Each timed call follows a write of a buffer larger than the last-level cache, and the flush is not timed."""
+    from fxmem import kernel_timer
+
+    events: list = []
+    _recorded_flushes(monkeypatch, events)
     tick = 1e-6
     clock = iter(range(1000))
     monkeypatch.setattr(kernel_timer.time, "perf_counter", lambda: next(clock) * tick)
@@ -175,16 +181,12 @@ def test_only_ops_on_operands_larger_than_a_cores_cache_are_timed_cold(monkeypat
     microseconds more, and the step's fixed overheads measured as the rest came out 0."""
     from fxmem import kernel_timer
 
-    flushes = []
-
-    class Flush:
-        def zero_(self):
-            flushes.append(1)
-
-    monkeypatch.setattr(kernel_timer, "_flush_buffer", lambda device: Flush())
+    flushes: list = []
+    _recorded_flushes(monkeypatch, flushes)
     timer, neg = KernelTimer("cpu"), torch.ops.aten.neg.default
     assert timer._time(neg, (torch.ones(16),), {}) > 0 and not flushes
     assert timer._time(neg, (torch.ones(kernel_timer.COLD_MIN_BYTES // 4),), {}) > 0 and flushes
+
 
 def test_a_random_draw_is_priced_per_element_as_inductor_draws():
     """Dropout under Inductor draws from a seed inside fused code (a Philox engine per element on a CPU): that

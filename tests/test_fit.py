@@ -54,8 +54,9 @@ def test_fit_batch_runs_within_the_budget_and_accumulates_as_eager(gpt, capsys):
 
 def test_fit_batch_refuses_a_budget_no_micro_batch_fits_and_a_wrong_global_batch(gpt):
     model, (x, y) = gpt
+    mlp = models.from_name("mlp-tiny")  # no attention or loss to rewrite: a refusal is planned in seconds
     with pytest.raises(fxmem.InfeasibleBudgetError, match="raise budget_gb"):  # micro-batches of 2 and 1 refused
-        fxmem.fit_batch(model, (x[:2], y[:2]), 1e-6, time_limit_s=0.5, quiet=True)
+        fxmem.fit_batch(mlp, models.example_inputs("mlp-tiny", 2), 1e-6, time_limit_s=0.5, quiet=True)
     with pytest.raises(ValueError, match="global_batch 3 is not the first dimension"):
         fxmem.fit_batch(model, (x, y), 1.0, global_batch=3, quiet=True)
 

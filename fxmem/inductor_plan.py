@@ -84,6 +84,7 @@ class FusedPlanning:
         self.planner = planner
         self.call = call or planner
         self.timer: Any = None  # a KernelTimer for the aten kernels Inductor calls, where the planner calibrates
+        self.scheduled: dict[str, tuple[Any, Any]] = {}  # planned graphs' code -> as Inductor schedules them
 
     def plan_at(self, gm: torch.fx.GraphModule, fakes: list[Any], request: Any) -> tuple[Any, Any]:
         """The planner's plan for Inductor's joint graph of `gm` under `request` (Inductor makes no code), with
@@ -108,8 +109,11 @@ class FusedPlanning:
         except _Planned:
             pass
         fw, bw, num_parameters = graphs
-        fused_fw = schedule(fw, False)
-        fused_bw = schedule(bw, True, donated_inputs(fw, bw, planner.num_fwd_outputs))
+        key = _graphs_key(fw, bw)  # targets that give the same plan are scheduled once (seconds each on a CPU)
+        if key not in self.scheduled:
+            self.scheduled[key] = (schedule(fw, False),
+                                   schedule(bw, True, donated_inputs(fw, bw, planner.num_fwd_outputs)))
+        fused_fw, fused_bw = self.scheduled[key]
         fused = simulate_fused(fw, bw, fused_fw, fused_bw, planner.num_fwd_outputs, planner.allocator)
         plan = planner.plan
         if request.calibrate and self.timer is None:
@@ -195,6 +199,17 @@ class FusedPlanning:
             raise InfeasibleBudgetError(asked.budget_bytes, self.planner.margin.least_budget(least),
                                         refusal.breakdown if refusal is not None else {}) from None
         return min(fits, key=lambda fit: fit[0].predicted_step_s)
+
+
+def _graphs_key(*graphs: torch.fx.GraphModule) -> str:
+    """What decides how Inductor schedules `graphs`: their code, and their inputs' shapes, strides and dtypes."""
+    def described(value: Any) -> str:
+        if isinstance(value, torch.Tensor):
+            return f"{value.dtype}{tuple(value.shape)}{value.stride()}"
+        return repr(value)
+
+    return "".join(g.code + ",".join(described(n.meta.get("val")) for n in g.graph.find_nodes(op="placeholder"))
+                   for g in graphs)
 
 
 class _Planned(Exception):

@@ -73,6 +73,30 @@ def test_inductor_runs_the_plan_within_budget_and_trains_like_eager():
     assert measured <= budget and abs(plan.predicted_peak_bytes - measured) <= 0.02 * measured
 
 
+@needs_compiler
+def test_a_plan_the_fit_meets_again_is_not_scheduled_again(monkeypatch):
+    """Targets that give the same plan are lowered by Inductor once: its schedule is seconds on a CPU."""
+    import fxmem.inductor_plan as inductor_plan
+
+    scheduled, fit = [], inductor_plan.FusedPlanning.fit
+    schedule = inductor_plan.schedule
+    monkeypatch.setattr(inductor_plan, "schedule", lambda graph, *a: scheduled.append(graph.code) or schedule(graph, *a))
+
+    def fit_twice(self, gm, fakes, asked, limit):
+        first = self.plan_at(gm, fakes, asked)
+        assert len(scheduled) == 2  # forward and backward
+        again = self.plan_at(gm, fakes, asked)
+        assert len(scheduled) == 2 and again[1] == first[1] and again[0].predicted_step_s == first[0].predicted_step_s
+        return fit(self, gm, fakes, asked, limit)
+
+    monkeypatch.setattr(inductor_plan.FusedPlanning, "fit", fit_twice)
+    model, inputs = _setup()
+    budget = 0.9 * fxmem.plan(model, inputs).baseline_peak_bytes
+    optimized = fxmem.optimize(model, budget_gb=budget / GIB, inner="inductor", time_limit_s=2)
+    optimized(*inputs).backward()
+    assert optimized.plan.recompute
+
+
 def test_a_calibrated_plan_times_the_kernels_inductor_calls():
     """calibrate=True under Inductor: the aten kernels of the fused step timed here, the step priced by them."""
     model, inputs = _setup()

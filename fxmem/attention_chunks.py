@@ -25,6 +25,7 @@ import torch.fx
 from fxmem.errors import InfeasibleBudgetError, PlanMismatchError
 from fxmem.loss_chunks import (
     MIN_GAIN,
+    WORTH_TRYING,
     PlanGraph,
     chunked_plan,
     copy_graph,
@@ -42,7 +43,6 @@ from fxmem.passes.chunked_loss import chunk_loss, loss_sites
 log = logging.getLogger("fxmem")
 
 MAX_CHUNKS = 32  # more chunks lengthen the graph (each is ~20 ops a site) for a few MiB less
-WORTH_TRYING = 0.1  # where as traced fits, 2 chunks are planned too only if the scores are this share of the budget
 NUMERICS = ("attention's key, value (and additive mask) gradients summed over query chunks: equal to eager's to "
             "float reassociation")
 

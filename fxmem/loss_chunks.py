@@ -4,9 +4,9 @@ Reads a captured graph, its loss sites (`passes/chunked_loss.py`) and the reques
 step as it is (1 chunk) and, where that does not fit or fits only by recomputing more than the lm head
 costs, plans it with the loss in chunks (each a fresh copy of the graph rewritten by `chunk_loss`):
 where 1 chunk does not fit, the fewest of 2, 4, 8, ... that fits (bisected from the most worth making);
-then, where that plan recomputes more than the lm head costs, twice as many chunks, and twice again,
-while each count is predicted faster than half of it (more chunks free more, so less is recomputed),
-keeping the fastest. A budget below the
+then, where that plan recomputes more than the lm head costs (and, where 1 chunk fits, the loss region is
+a tenth of the budget or more), twice as many chunks, and twice again, while each count is predicted
+faster than half of it (more chunks free more, so less is recomputed), keeping the fastest. A budget below the
 loss's floor as traced (`traced_floor`: parameters and the log-softmax with its gradient) skips
 planning 1 chunk, as does a least named with chunks below that floor. Chunking costs the lm head's
 matmul once more in backward: the plan counts it in `extra_flops` and its step time. Applying a plan
@@ -32,6 +32,7 @@ log = logging.getLogger("fxmem")
 
 MAX_CHUNKS = 64  # more chunks lengthen the graph (each is ~20 ops a pass) for a few MiB less
 MIN_GAIN = 0.01  # chunking is not tried where the whole loss region is less than this share of the least budget
+WORTH_TRYING = 0.1  # where as traced fits, more chunks are planned only if the region is this share of the budget
 NUMERICS = ("loss and gradients of the lm head and cross-entropy summed chunk by chunk: equal to eager's "
             "to float reassociation")
 
@@ -119,6 +120,8 @@ def plan_with_loss_chunks(gm: torch.fx.GraphModule, request: Any, plan_graph: Pl
     lm_head_flops, most, floor = sum(site.lm_head_flops() for site in sites), most_chunks(sites), traced_floor(gm, sites)
     unchunked = as_traced() if request.budget_bytes >= floor else None  # below the floor it cannot fit
     if isinstance(unchunked, tuple):
+        if sum(site.region_bytes() for site in sites) < WORTH_TRYING * request.budget_bytes:
+            return unchunked  # chunks free too little to matter (each is a whole plan: minutes under Inductor)
         return _fastest_chunks(chunked, unchunked, lm_head_flops, most)
     if unchunked is not None and sum(site.region_bytes() for site in sites) < MIN_GAIN * unchunked.min_budget_bytes:
         raise unchunked  # the whole loss region is less than chunking must gain: the floor is elsewhere

@@ -90,3 +90,27 @@ def test_least_is_the_same_when_the_loss_as_traced_is_not_planned_below_its_floo
     compared = least()
     assert (skipping.min_budget_bytes, skipping.loss_chunks) == (compared.min_budget_bytes, compared.loss_chunks)
     assert skipping.loss_chunks > 1 and floor_skipped == 1 and len(planned) - floor_skipped == 2
+
+
+def test_a_loss_region_under_a_tenth_of_the_budget_is_not_chunked_where_the_step_fits(monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    import fxmem.engine
+    import fxmem.loss_chunks
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=2, vocab_size=64, n_positions=128, use_cache=False))
+    ids = torch.randint(0, 64, (4, 128))
+    kwargs = {"input_ids": ids, "labels": ids}
+    with pytest.raises(fxmem.InfeasibleBudgetError) as refused:
+        fxmem.plan(model, (), 1e-6, example_kwargs=kwargs, keep_outputs=False, time_limit_s=2)
+    budget = 1.1 * refused.value.min_budget_bytes / 2**30  # matmuls recomputed: more than the lm head's cost
+    planned, plan_graph = [], fxmem.engine._planned
+    monkeypatch.setattr(fxmem.engine, "_planned", lambda *args: planned.append(args[1]) or plan_graph(*args))
+    plan = fxmem.plan(model, (), budget, example_kwargs=kwargs, keep_outputs=False, time_limit_s=2)
+    lm_head_flops = 2 * 512 * 64 * 64  # the loss region, 3 x 512 x 64 x 4 bytes, is 7% of the budget
+    assert plan.extra_flops > lm_head_flops and plan.loss_chunks == 1 and len(planned) == 1
+    monkeypatch.setattr(fxmem.loss_chunks, "WORTH_TRYING", 0.0)
+    planned.clear()
+    fxmem.plan(model, (), budget, example_kwargs=kwargs, keep_outputs=False, time_limit_s=2)
+    assert len(planned) > 1

@@ -134,3 +134,44 @@ def test_fused_code_that_stores_a_mask_pays_for_its_one_byte_stores():
 
     timer = Priced(lambda n: None)
     assert kernel_seconds(masked, cpu, timer) == pytest.approx(kernel_seconds(masked, cpu) + 1e-9 * 2 * 64 * 96)
+
+
+class _Normed(torch.nn.Module):
+    """Layer norm, softmax, dropout and log-softmax: reductions Inductor's C++ code loops over."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(64, 512)
+        self.norm = torch.nn.LayerNorm(512)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = torch.nn.functional.dropout(torch.softmax(self.norm(self.linear(x)), -1), 0.1, training=True)
+        return torch.nn.functional.log_softmax(scores, -1).sum()
+
+
+def _described(graph: ScheduledGraph) -> tuple:
+    return graph.events, graph.outputs, tuple(
+        (w.bytes_moved, w.flops, w.dtype, getattr(w.origin, "name", None), tuple(p.name for p in w.parts), w.narrow)
+        for w in graph.work)
+
+
+@needs_compiler
+def test_a_schedule_read_off_scalar_code_is_the_one_vectorized_code_gives(monkeypatch):
+    """Plans are scheduled with Inductor's C++ code unvectorized (30% less time): the buffers, their reuse
+    and each kernel's work read off it are those of the vectorized code the step runs."""
+    import fxmem.inductor_plan as inductor_plan
+
+    graphs = {}
+
+    def partition(joint, inputs, **kwargs):
+        graphs["fw"], graphs["bw"] = default_partition(joint, inputs, **kwargs)
+        raise _Partitioned
+
+    with pytest.raises(_Partitioned):
+        compile_with_partitioner(torch.fx.symbolic_trace(_Normed()), [torch.randn(8, 64)], partition)
+    scalar = [schedule(graphs["fw"], False), schedule(graphs["bw"], True)]
+    assert inductor_plan.SCHEDULE_CONFIG == {"cpp.simdlen": 1}
+    monkeypatch.setattr(inductor_plan, "SCHEDULE_CONFIG", {})
+    vectorized = [schedule(graphs["fw"], False), schedule(graphs["bw"], True)]
+    assert [_described(g) for g in scalar] == [_described(g) for g in vectorized]
+    assert any(w.parts for w in scalar[1].work) and any(event[0] == "share" for g in scalar for event in g.events)

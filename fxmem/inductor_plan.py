@@ -2,7 +2,8 @@
 and the plan fitted to the step as Inductor runs it.
 
 `compile_with_partitioner` compiles a captured graph with a planner splitting Inductor's joint graph
-(Inductor's joint-graph passes run first). `FusedPlanning` plans on fake tensors and stops Inductor once
+(Inductor's joint-graph passes run first). `FusedPlanning` plans on fake tensors on Inductor's joint graph
+(`inductor_joint`: traced once a graph, whatever the number of plans fitted on it), and stops Inductor once
 the planned forward and backward graphs exist; each is then lowered and fused by Inductor, its code
 generated and nothing compiled (`schedule`), and the step as that code runs it is simulated
 (`fxmem.inductor_memory`) and priced (`fxmem.inductor_time`). The planner's target moves until the fused
@@ -79,6 +80,22 @@ def partition_only(gm: torch.fx.GraphModule, fakes: Sequence[Any], partitioner: 
         pass
 
 
+def inductor_joint(gm: torch.fx.GraphModule, fakes: Sequence[Any]) -> tuple[torch.fx.GraphModule, Any, dict]:
+    """Inductor's joint graph of `gm` as its partitioner receives it (after Inductor's joint-graph passes),
+    with the joint's inputs and the partitioner's keyword arguments: what a planner is called with."""
+    found: list[Any] = []
+
+    def keep(joint, joint_inputs, **kwargs):
+        found[:] = [copy_joint(joint), joint_inputs, kwargs]
+        raise _Planned
+
+    try:
+        compile_with_partitioner(gm, list(fakes), keep)
+    except _Planned:
+        pass
+    return tuple(found)
+
+
 class FusedPlanning:
     """Plans with `planner` for Inductor (`plan`), fitting the fused step to the budget. `call`: how the
     planner is called as a partitioner while fitting (the planner itself unless told: the torch.compile
@@ -89,6 +106,7 @@ class FusedPlanning:
         self.call = call or planner
         self.timer: Any = None  # a KernelTimer for the aten kernels Inductor calls, where the planner calibrates
         self.scheduled: dict[str, tuple[Any, Any]] = {}  # planned graphs' code -> as Inductor schedules them
+        self.joint: tuple[Any, ...] | None = None  # (gm, Inductor's joint graph of it, its inputs, the partitioner's kwargs)
 
     def plan_at(self, gm: torch.fx.GraphModule, fakes: list[Any], request: Any) -> tuple[Any, Any]:
         """The planner's plan for Inductor's joint graph of `gm` under `request` (Inductor makes no code), with
@@ -101,18 +119,11 @@ class FusedPlanning:
 
         planner = self.planner
         planner.request, planner.plan = request, None
-        graphs: list[Any] = []
-
-        def partition(joint, joint_inputs, **kwargs):
-            fw, bw = self.call(joint, joint_inputs, **kwargs)
-            graphs[:] = [copy_joint(fw), copy_joint(bw), trained_parameters(joint, planner.num_fwd_outputs)]
-            raise _Planned
-
-        try:
-            compile_with_partitioner(gm, fakes, partition)
-        except _Planned:
-            pass
-        fw, bw, num_parameters = graphs
+        if self.joint is None or self.joint[0] is not gm:  # Inductor traces a graph's joint once (seconds)
+            self.joint = (gm, *inductor_joint(gm, fakes))
+        _, joint, joint_inputs, kwargs = self.joint
+        fw, bw = self.call(copy_joint(joint), joint_inputs, **kwargs)
+        fw, bw, num_parameters = copy_joint(fw), copy_joint(bw), trained_parameters(joint, planner.num_fwd_outputs)
         key = _graphs_key(fw, bw)  # targets that give the same plan are scheduled once (seconds each on a CPU)
         if key not in self.scheduled:
             self.scheduled[key] = (schedule(fw, False),

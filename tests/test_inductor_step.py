@@ -75,19 +75,25 @@ def test_inductor_runs_the_plan_within_budget_and_trains_like_eager():
 
 @needs_compiler
 def test_a_plan_the_fit_meets_again_is_not_scheduled_again(monkeypatch):
-    """Targets that give the same plan are lowered by Inductor once: its schedule is seconds on a CPU."""
+    """Targets that give the same plan are lowered by Inductor once: its schedule is seconds on a CPU; and
+    Inductor traces the joint graph once for all of a fit's plans."""
     import fxmem.inductor_plan as inductor_plan
 
-    scheduled, fit = [], inductor_plan.FusedPlanning.fit
-    schedule = inductor_plan.schedule
+    scheduled, traced, fit = [], [], inductor_plan.FusedPlanning.fit
+    schedule, compile_with_partitioner = inductor_plan.schedule, inductor_plan.compile_with_partitioner
     monkeypatch.setattr(inductor_plan, "schedule", lambda graph, *a: scheduled.append(graph.code) or schedule(graph, *a))
+    monkeypatch.setattr(inductor_plan, "compile_with_partitioner",
+                        lambda gm, *a: traced.append(gm) or compile_with_partitioner(gm, *a))
 
     def fit_twice(self, gm, fakes, asked, limit):
+        before = len(traced)
         first = self.plan_at(gm, fakes, asked)
         assert len(scheduled) == 2  # forward and backward
         again = self.plan_at(gm, fakes, asked)
         assert len(scheduled) == 2 and again[1] == first[1] and again[0].predicted_step_s == first[0].predicted_step_s
-        return fit(self, gm, fakes, asked, limit)
+        fitted = fit(self, gm, fakes, asked, limit)
+        assert len(traced) == before + 1 and len(scheduled) > 2  # the fit planned other targets
+        return fitted
 
     monkeypatch.setattr(inductor_plan.FusedPlanning, "fit", fit_twice)
     model, inputs = _setup()

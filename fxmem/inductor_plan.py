@@ -70,14 +70,8 @@ def partition_only(gm: torch.fx.GraphModule, fakes: Sequence[Any], partitioner: 
     """Runs Inductor's pipeline for `gm` up to its partitioner, which sees Inductor's joint graph (a
     `fxmem.engine.JointFingerprint` records it), and stops there: no plan made, no code."""
 
-    def partition(joint, joint_inputs, **kwargs):
-        partitioner(joint, joint_inputs, **kwargs)
-        raise _Planned
-
-    try:
-        compile_with_partitioner(gm, list(fakes), partition)
-    except _Planned:
-        pass
+    joint, joint_inputs, kwargs = inductor_joint(gm, fakes)
+    partitioner(joint, joint_inputs, **kwargs)
 
 
 def inductor_joint(gm: torch.fx.GraphModule, fakes: Sequence[Any]) -> tuple[torch.fx.GraphModule, Any, dict]:
@@ -238,9 +232,9 @@ def schedule(graph: torch.fx.GraphModule, is_backward: bool, donated: Sequence[i
     `SCHEDULE_CONFIG`."""
     from unittest import mock
 
-    from fxmem.inductor_memory import schedule_only
-
     from torch._inductor import config as inductor_config
+
+    from fxmem.inductor_memory import schedule_only
 
     inputs = [n.meta["val"] for n in graph.graph.find_nodes(op="placeholder")]
     found: list[Any] = []

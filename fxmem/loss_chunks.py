@@ -118,12 +118,13 @@ def plan_with_loss_chunks(gm: torch.fx.GraphModule, request: Any, plan_graph: Pl
             return exc
 
     lm_head_flops, most, floor = sum(site.lm_head_flops() for site in sites), most_chunks(sites), traced_floor(gm, sites)
+    region = sum(site.region_bytes() for site in sites)
     unchunked = as_traced() if request.budget_bytes >= floor else None  # below the floor it cannot fit
     if isinstance(unchunked, tuple):
-        if sum(site.region_bytes() for site in sites) < WORTH_TRYING * request.budget_bytes:
+        if region < WORTH_TRYING * request.budget_bytes:
             return unchunked  # chunks free too little to matter (each is a whole plan: minutes under Inductor)
         return _fastest_chunks(chunked, unchunked, lm_head_flops, most)
-    if unchunked is not None and sum(site.region_bytes() for site in sites) < MIN_GAIN * unchunked.min_budget_bytes:
+    if unchunked is not None and region < MIN_GAIN * unchunked.min_budget_bytes:
         raise unchunked  # the whole loss region is less than chunking must gain: the floor is elsewhere
     try:
         fitting = chunked(most)

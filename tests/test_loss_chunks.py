@@ -10,12 +10,17 @@ import torch
 import fxmem
 
 
-def test_labels_refusal_names_keep_outputs_false_which_chunks_the_loss():
+def _gpt2(n_layer: int, n_embd: int, vocab: int, batch: int, seq: int):
+    """A transformers GPT-2 of that shape, without a cache, and a batch of token ids for it."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=1, n_embd=32, n_head=2, vocab_size=2000, n_positions=64, use_cache=False))
-    ids = torch.randint(0, 2000, (2, 64))
+        n_layer=n_layer, n_embd=n_embd, n_head=2, vocab_size=vocab, n_positions=seq, use_cache=False))
+    return model, torch.randint(0, vocab, (batch, seq))
+
+
+def test_labels_refusal_names_keep_outputs_false_which_chunks_the_loss():
+    model, ids = _gpt2(n_layer=1, n_embd=32, vocab=2000, batch=2, seq=64)
     kwargs = {"input_ids": ids, "labels": ids}
     with pytest.raises(fxmem.InfeasibleBudgetError) as kept:
         fxmem.plan(model, (), 0.001, example_kwargs=kwargs, time_limit_s=2)
@@ -65,16 +70,12 @@ def test_fastest_chunks_doubles_the_count_while_the_plan_gets_faster(predicted, 
 
 
 def test_least_is_the_same_when_the_loss_as_traced_is_not_planned_below_its_floor(monkeypatch):
-    transformers = pytest.importorskip("transformers")
     import torch.nn.functional as F
 
     import fxmem.engine
     import fxmem.loss_chunks
 
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=1, n_embd=32, n_head=2, vocab_size=2000, n_positions=64, use_cache=False))
-    ids = torch.randint(0, 2000, (2, 64))
+    model, ids = _gpt2(n_layer=1, n_embd=32, vocab=2000, batch=2, seq=64)
     planned, plan_graph = [], fxmem.engine._planned
     monkeypatch.setattr(fxmem.engine, "_planned", lambda *args: planned.append(args[1]) or plan_graph(*args))
 
@@ -93,14 +94,10 @@ def test_least_is_the_same_when_the_loss_as_traced_is_not_planned_below_its_floo
 
 
 def test_a_loss_region_under_a_tenth_of_the_budget_is_not_chunked_where_the_step_fits(monkeypatch):
-    transformers = pytest.importorskip("transformers")
     import fxmem.engine
     import fxmem.loss_chunks
 
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=2, n_embd=64, n_head=2, vocab_size=64, n_positions=128, use_cache=False))
-    ids = torch.randint(0, 64, (4, 128))
+    model, ids = _gpt2(n_layer=2, n_embd=64, vocab=64, batch=4, seq=128)
     kwargs = {"input_ids": ids, "labels": ids}
     with pytest.raises(fxmem.InfeasibleBudgetError) as refused:
         fxmem.plan(model, (), 1e-6, example_kwargs=kwargs, keep_outputs=False, time_limit_s=2)

@@ -10,23 +10,21 @@ torch-free solvers under `fxmem.solve`) load without torch.
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import Any
 
 __version__ = "0.1.0"
 
 # public name -> module that defines it
 _EXPORTS = {
-    "plan": "fxmem.api", "optimize": "fxmem.api", "OptimizedModule": "fxmem.engine",
-    "pipeline_stage": "fxmem.pipeline", "capture": "fxmem.capture", "Plan": "fxmem.plan",
-    "DeviceSpec": "fxmem.cost", "HostLink": "fxmem.cost",
+    "plan": "fxmem.api", "optimize": "fxmem.api", "OptimizedModule": "fxmem.run.engine",
+    "pipeline_stage": "fxmem.dist.pipeline", "capture": "fxmem.trace.capture", "Plan": "fxmem.planner.plan",
+    "DeviceSpec": "fxmem.price.cost", "HostLink": "fxmem.price.cost",
     "FxmemError": "fxmem.errors", "InfeasibleBudgetError": "fxmem.errors", "TraceError": "fxmem.errors",
-    "PlanMismatchError": "fxmem.errors", "CallError": "fxmem.errors", "LossFnError": "fxmem.step_module",
-    "PolicyError": "fxmem.policies",
-    "estimate": "fxmem.estimate", "Estimate": "fxmem.estimate", "max_batch_size": "fxmem.capacity",
-    "fit_batch": "fxmem.batch_fit", "BatchFit": "fxmem.batch_fit",
-    "check_plan": "fxmem.check", "pack_buffers": "fxmem.solve.packing", "Packing": "fxmem.solve.packing",
+    "PlanMismatchError": "fxmem.errors", "CallError": "fxmem.errors", "LossFnError": "fxmem.trace.step_module",
+    "PolicyError": "fxmem.planner.policies",
+    "estimate": "fxmem.tools.estimate", "Estimate": "fxmem.tools.estimate", "max_batch_size": "fxmem.tools.capacity",
+    "fit_batch": "fxmem.tools.batch_fit", "BatchFit": "fxmem.tools.batch_fit",
+    "check_plan": "fxmem.tools.check_plan", "pack_buffers": "fxmem.solve.packing", "Packing": "fxmem.solve.packing",
 }
 
 __all__ = [*_EXPORTS, "__version__"]
@@ -44,15 +42,3 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted(__all__)
 
-
-class _Package(types.ModuleType):
-    """Three public functions share their name with a submodule (`plan`, `estimate`, `capture`).
-    Importing such a submodule would set the package attribute to the module; the function wins."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _EXPORTS and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -1,8 +1,8 @@
 """The public front door: `fxmem.plan` and `fxmem.optimize`.
 
 Reads the user's arguments: checks them and turns the budget into bytes once, then hands the work to
-the planner that fits: pipeline stages (`fxmem.pipeline`) with `num_stages`, device placement
-(`fxmem.placement`) with `devices`, otherwise one device's step (`fxmem.engine`). Writes nothing but
+the planner that fits: pipeline stages (`fxmem.dist.pipeline`) with `num_stages`, device placement
+(`fxmem.dist.placement`) with `devices`, otherwise one device's step (`fxmem.run.engine`). Writes nothing but
 a progress line on stderr while planning on a terminal (`fxmem.progress.planning`).
 """
 from __future__ import annotations
@@ -14,27 +14,27 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from fxmem.accumulation import accumulating_state
+from fxmem.price.accumulation import accumulating_state
 from fxmem.budget import budget_bytes, per_device_budgets
-from fxmem.call_check import check_model, check_solver
-from fxmem.capture import example_args
-from fxmem.cost import DeviceSpec, preset_for
-from fxmem.eager_step import eager_peak_within, eager_plan
-from fxmem.engine import ANY_BUDGET, OptimizedModule, plan_step, signature_of
+from fxmem.trace.call_check import check_model, check_solver
+from fxmem.trace.capture import example_args
+from fxmem.price.cost import DeviceSpec, preset_for
+from fxmem.run.eager_step import eager_peak_within, eager_plan
+from fxmem.run.engine import ANY_BUDGET, OptimizedModule, plan_step, signature_of
 from fxmem.error_boundary import public
-from fxmem.inductor_step import check_inner, default_inner, replays_random
-from fxmem.loss_boundary import planned_step
-from fxmem.meta_device import planned_on, refuse_meta_model
-from fxmem.optimizer_state import model_state_bytes
-from fxmem.pipeline import PipelineRequest, plan_pipeline
-from fxmem.placement import PlacedModule, check_devices
-from fxmem.plan import Plan
-from fxmem.planner import PlanRequest
-from fxmem.policies import Policy, PolicyError, parse_policy
+from fxmem.run.inductor.step import check_inner, default_inner, replays_random
+from fxmem.trace.loss import planned_step
+from fxmem.trace.meta_device import planned_on, refuse_meta_model
+from fxmem.price.optimizer_state import model_state_bytes
+from fxmem.dist.pipeline import PipelineRequest, plan_pipeline
+from fxmem.dist.placement import PlacedModule, check_devices
+from fxmem.planner.plan import Plan
+from fxmem.planner.planner import PlanRequest
+from fxmem.planner.policies import Policy, PolicyError, parse_policy
 from fxmem.progress import planning
-from fxmem.report import short_signature
-from fxmem.step_module import LossStep
-from fxmem.step_timer import measured_overheads
+from fxmem.planner.report import short_signature
+from fxmem.trace.step_module import LossStep
+from fxmem.run.step_timer import measured_overheads
 
 POOL_MODES = (False, True, "all")
 
@@ -137,9 +137,9 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
     plan also reports what pooling the forward and backward graphs into one arena each would give
     (`pool=True`: the intermediates whose pooling does not raise the graph's peak; `pool="all"`: all).
     With `num_stages`, `example_inputs` is one microbatch and `budget_gb` is per pipeline stage:
-    see `fxmem.pipeline` (`schedule` "1f1b" or "gpipe", `n_microbatches`, `optimizer` state).
+    see `fxmem.dist.pipeline` (`schedule` "1f1b" or "gpipe", `n_microbatches`, `optimizer` state).
     `calibrate`: price each kernel by timing it on the device here, and on a CPU a step's fixed costs (per
-    step, parameter and view op: `fxmem.step_timer`) by timing small steps (default: when the model is on a
+    step, parameter and view op: `fxmem.run.step_timer`) by timing small steps (default: when the model is on a
     GPU); otherwise, and for kernels it cannot time, the target's roofline prices them.
     `optimizer` (an optimizer, a name such as "adamw", or state bytes per parameter byte): its state is
     on the device for the whole step, so it is counted in the budget (so `budget_gb` can be the
@@ -147,16 +147,16 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
     `eager_meter`: also measure PyTorch eager's peak for the step (MemTracker on fake tensors, no
     real compute; `Plan.eager_peak_bytes`, a row of the table).
     `loss_fn`: plan the step `loss_fn(model(*example_inputs), example_target)` as a whole (see
-    `fxmem.step_module`); the model's outputs are held after the loss only with `keep_outputs`.
+    `fxmem.trace.step_module`); the model's outputs are held after the loss only with `keep_outputs`.
     Without `loss_fn`, a model whose output has a scalar `loss` with a gradient (transformers' `labels=`)
     is planned with that loss as the step's and its other outputs returned detached, counted until backward
     ends (`keep_outputs=False`: not returned; `model_loss=False`: every output keeps its gradient); a model with no scalar loss warns that its loss is outside the plan
-    (`fxmem.loss_boundary`). At a budget that covers PyTorch eager's peak where fxmem's keep-all step would
-    hold more, the plan runs eagerly (`fxmem.eager_step`). `accumulating`: plan a micro-batch that
+    (`fxmem.trace.loss`). At a budget that covers PyTorch eager's peak where fxmem's keep-all step would
+    hold more, the plan runs eagerly (`fxmem.run.eager_step`). `accumulating`: plan a micro-batch that
     accumulates into existing gradients (every trainable parameter's `.grad` resident from the start,
-    `fxmem.accumulation`), as the second and later micro-batches of gradient accumulation run.
+    `fxmem.price.accumulation`), as the second and later micro-batches of gradient accumulation run.
     `policy`: a named policy decides instead of a budget ("speed", "memory", "every-layer",
-    "every-N-layers" or `every_n=N`, "sqrt": `fxmem.policies`, docs/policies.md); with `budget_gb` too, the
+    "every-N-layers" or `every_n=N`, "sqrt": `fxmem.planner.policies`, docs/policies.md); with `budget_gb` too, the
     policy's plan where it fits the budget, else a `PolicyError` naming its peak."""
     check_model(model)
     policy = check_policy(parse_policy(policy, every_n), offload=offload, num_stages=num_stages)
@@ -227,9 +227,9 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
     (`keep_outputs=False`: the loss alone); `model_loss=False` keeps a gradient on every output (see `plan`). The optimized module's `.plan` is
     the plan of the input signature it saw last, `.plans` all of them. `policy`, `every_n`: a named policy
     instead of (or checked against) `budget_gb`, see `plan`. `inner="inductor"`: Inductor compiles the planned
-    step (fused kernels; fxmem's planner decides what backward keeps and recomputes: `fxmem.inductor_step`);
+    step (fused kernels; fxmem's planner decides what backward keeps and recomputes: `fxmem.run.inductor.step`);
     "aot_eager" runs it with eager kernels and trains bit for bit as eager does. Default: "inductor" for a
-    model on a GPU, else "aot_eager" (`fxmem.inductor_step.default_inner` says why)."""
+    model on a GPU, else "aot_eager" (`fxmem.run.inductor.step.default_inner` says why)."""
     check_model(model)
     if inner == "inductor" and (pool or offload or devices is not None):
         raise ValueError("inner='inductor' runs one planned step on one device, without offload or pool; "

@@ -3,19 +3,19 @@
     model = torch.compile(model, backend="fxmem", options={"budget_gb": 2.0})
 
 Dynamo hands each captured graph to `fxmem_backend`; AOTAutograd traces its joint forward/backward
-graph and `fxmem.planner.Planner` (the same planner `fxmem.plan`/`fxmem.optimize` use) picks what to
+graph and `fxmem.planner.planner.Planner` (the same planner `fxmem.plan`/`fxmem.optimize` use) picks what to
 save and what to recompute so the simulated step fits the budget. The forward and backward graphs
 then run through boxed_nop ("aot_eager") or Inductor ("inductor"; the plan is then fitted to the step
-as Inductor fuses it, `fxmem.inductor_plan`, and predicts that step's peak and time). Random ops may be recomputed and draw
+as Inductor fuses it, `fxmem.run.inductor.planning`, and predicts that step's peak and time). Random ops may be recomputed and draw
 the numbers forward drew: eager's kernels replayed from a saved generator state (passes/rng.py), or
 Inductor's own draws recomputed from the per-graph seeds the plan keeps (docs/compile-random.md).
 
-Budget across graph breaks: one `torch.compile(...)` call has one ledger (`fxmem.ledger`). Graph k
+Budget across graph breaks: one `torch.compile(...)` call has one ledger (`fxmem.run.dynamo.ledger`). Graph k
 of a step is planned for the whole `budget_gb`, with what the rest of the step holds while its
 forward and its backward run (other graphs' parameters and saved values, the tensors passed
 between graphs, later graphs' gradients) added to its simulated memory, so each graph's predicted
 peak is the step's peak while it runs. A recompilation of a frame replaces that frame's entry and,
-where the step's graphs share the budget (`fxmem.graph_budget`), keeps to the share of the graph it
+where the step's graphs share the budget (`fxmem.run.dynamo.shared_budget`), keeps to the share of the graph it
 replaces.
 Reads nothing from disk; writes the plans to `plan_out` (one file per graph: `<stem>.<k>.json`) when asked.
 """
@@ -34,16 +34,16 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxmem.budget import budget_bytes
-from fxmem.capture import describe_input
-from fxmem.cost import DeviceSpec, preset_for
+from fxmem.trace.capture import describe_input
+from fxmem.price.cost import DeviceSpec, preset_for
 from fxmem.error_boundary import for_dynamo
 from fxmem.errors import GIB, InfeasibleBudgetError, TraceError
-from fxmem.graph_budget import least_plan, saved_cap
-from fxmem.inductor_plan import FusedPlanning, compile_with_partitioner
-from fxmem.inductor_step import INNERS, has_cxx_compiler, replays_random
-from fxmem.ledger import GraphRecord, Ledger
-from fxmem.plan import Plan
-from fxmem.planner import Planner, PlanRequest
+from fxmem.run.dynamo.shared_budget import least_plan, saved_cap
+from fxmem.run.inductor.planning import FusedPlanning, compile_with_partitioner
+from fxmem.run.inductor.step import INNERS, has_cxx_compiler, replays_random
+from fxmem.run.dynamo.ledger import GraphRecord, Ledger
+from fxmem.planner.plan import Plan
+from fxmem.planner.planner import Planner, PlanRequest
 
 log = logging.getLogger("fxmem")
 
@@ -58,7 +58,7 @@ _LOCK = threading.Lock()
 def open_ledger(options: dict, model: torch.nn.Module | None = None, survey: list | None = None,
                 model_name: str = "", shares: list | None = None, runs: dict[int, int] | None = None) -> Ledger:
     """The ledger for the torch.compile call made with `options`, told the model and the step's survey
-    (`fxmem.ledger.survey_step`), so other graphs' parameters and later graphs' gradients are known."""
+    (`fxmem.run.dynamo.ledger.survey_step`), so other graphs' parameters and later graphs' gradients are known."""
     with _LOCK:
         ledger = Ledger(budget_bytes(_validate(options)["budget_gb"]), model=model, survey=survey,
                         model_name=model_name, shares=shares, runs=dict(runs or {}))
@@ -127,7 +127,7 @@ class _RecordingPlanner(Planner):
         self.ledger, self.record, self.options = ledger, record, options
 
     def _make_plan(self, joint, fingerprint):
-        """The plan for the budget; where the step's graphs share it (`fxmem.graph_budget`), one that
+        """The plan for the budget; where the step's graphs share it (`fxmem.run.dynamo.shared_budget`), one that
         keeps no more for backward than leaves every later graph room for its least plan (the budget
         tightened until it does, else this graph's least plan)."""
         shares = self.ledger.shares
@@ -140,7 +140,7 @@ class _RecordingPlanner(Planner):
             plan, _ = least_plan(self, joint, fingerprint)
             least = dataclasses.replace(least, plan=plan, peak=plan.predicted_peak_bytes - earlier,
                                         saved=plan.saved_bytes)
-        if least.runs > 1:  # a loop's graph, run once per layer: each run at its least (fxmem.graph_budget)
+        if least.runs > 1:  # a loop's graph, run once per layer: each run at its least (fxmem.run.dynamo.shared_budget)
             return dataclasses.replace(least.plan, budget_bytes=budget, capture=self.request.capture,
                                        predicted_peak_bytes=least.peak + earlier + (least.runs - 1) * least.saved)
         cap = saved_cap(shares, index, budget, earlier)
@@ -245,11 +245,11 @@ def _refuse_dynamic_shapes(example_inputs: Sequence[Any]) -> None:
 
 
 def _counted(compiled: Callable[..., Any], record: GraphRecord) -> Callable[..., Any]:
-    """`compiled`, counting its calls in `record` (`fxmem.dynamo_step` checks for graphs run twice a step)."""
+    """`compiled`, counting its calls in `record` (`fxmem.run.dynamo.step` checks for graphs run twice a step)."""
     def run(*args: Any) -> Any:
         record.calls += 1
         out = compiled(*args)
-        if record.calls == 1:  # what it returns may stay alive while later graphs run (fxmem.ledger)
+        if record.calls == 1:  # what it returns may stay alive while later graphs run (fxmem.run.dynamo.ledger)
             for value in torch.utils._pytree.tree_leaves(out):
                 record.see(value)
         return out
@@ -297,7 +297,7 @@ def _compile_aot_eager(gm, example_inputs, planner: Planner):
 def _compile_inductor(gm, example_inputs, planner: Planner):
     """Inductor's own compile_fx pipeline (decompositions, joint-graph passes, compile_fx_inner for the
     forward and backward graphs) with fxmem's planner as its partitioner. The plan is first fitted, on
-    fake tensors, to the step as Inductor runs it (`fxmem.inductor_plan.FusedPlanning`: the fused step's
+    fake tensors, to the step as Inductor runs it (`fxmem.run.inductor.planning.FusedPlanning`: the fused step's
     peak within the budget, and its peak and time the plan's predictions), then applied as it is compiled
     (recorded once)."""
     asked = planner.request

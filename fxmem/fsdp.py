@@ -3,7 +3,7 @@
 Reads an unsharded model, its example inputs and a world size; writes nothing (an `FsdpPlan` is JSON that
 `save` writes where asked). `plan_fsdp` plans one block's step with fxmem and simulates one rank's whole
 step under torch's fake process group (one process, no communication: every collective returns
-buffers of the right size) on fake tensors (`fxmem.fsdp_fake`: no weights needed, a meta model works),
+buffers of the right size) on fake tensors (`fxmem.dist.fsdp_fake`: no weights needed, a meta model works),
 metered by MemTracker; `shard` applies FSDP2 as torchtitan does (every block,
 then the root) with the block plan's compiled step installed in every block (`docs/fsdp.md`).
 """
@@ -23,12 +23,12 @@ import torch.distributed as dist
 from fxmem import api
 from fxmem.budget import budget_bytes as to_bytes
 from fxmem.errors import FxmemError, InfeasibleBudgetError, fmt_bytes
-from fxmem.fsdp_fake import fake_copy
-from fxmem.fsdp_memory import RankParts, rank_parts
+from fxmem.dist.fsdp_fake import fake_copy
+from fxmem.dist.fsdp_memory import RankParts, rank_parts
 from fxmem.measure import measure_peak_bytes
-from fxmem.meta_device import is_meta_model
-from fxmem.optimizer_state import bytes_per_param_byte
-from fxmem.plan import Plan
+from fxmem.trace.meta_device import is_meta_model
+from fxmem.price.optimizer_state import bytes_per_param_byte
+from fxmem.planner.plan import Plan
 
 MAX_ROUNDS = 5  # block budgets tried per plan (each one a block plan and a simulated rank step)
 CLOSE = 0.01    # a plan within 1% below the budget is taken
@@ -142,7 +142,7 @@ def block_inputs(model: torch.nn.Module, path: str, inputs: Sequence[Any], kwarg
                  device: Any = None) -> tuple[tuple, dict]:
     """The first block's arguments in a forward of `model` on the example inputs, copied; the first (the
     hidden state) requires grad, as a block's input does in training. A meta model runs its forward on
-    fakes (`fxmem.fsdp_fake`, `device` as there) and its block's arguments are meta tensors."""
+    fakes (`fxmem.dist.fsdp_fake`, `device` as there) and its block's arguments are meta tensors."""
     seen: list = []
     meta = is_meta_model(model)
     with fake_copy(model, inputs, kwargs, device) if meta else contextlib.nullcontext((model, inputs, kwargs)) \
@@ -193,7 +193,7 @@ def fake_group(world_size: int) -> Iterator[Any]:
 def rank_peak(model: torch.nn.Module, inputs: Sequence[Any], kwargs: dict | None, plan: FsdpPlan,
               optimizer: Any = None, *, fake: bool = True, device: Any = None) -> tuple[int, RankParts]:
     """One rank's step peak (MemTracker, fake process group, a copy of `model`), optimizer state included.
-    With `fake` (the default) the copy, its inputs and the whole step are fake tensors (`fxmem.fsdp_fake`;
+    With `fake` (the default) the copy, its inputs and the whole step are fake tensors (`fxmem.dist.fsdp_fake`;
     `device`: the `DeviceSpec` a meta model is planned for); otherwise a real copy runs one real step."""
     with fake_group(plan.world_size) as mesh, (fake_copy(model, inputs, kwargs, device) if fake else
                                                contextlib.nullcontext((copy.deepcopy(model), inputs, kwargs))) \

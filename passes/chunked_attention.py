@@ -1,5 +1,5 @@
 """Chunked attention pass: naive attention in a captured graph, `q @ kt -> [scale] -> [masks] -> softmax ->
-[dropout of p=0 or not training] -> @ v`, run in chunks of query rows (`fxmem.chunked_attention`), so
+[dropout of p=0 or not training] -> @ v`, run in chunks of query rows (`fxmem.ops.chunked_attention`), so
 the batch x heads x queries x keys scores are never all alive at once.
 
 Reads a captured (torch-level) GraphModule, as symbolic_trace (`@`/`torch.matmul`, `*`/`/` by a number,
@@ -23,8 +23,8 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from fxmem.chunked_attention import chunked_attention
-from fxmem.chunked_cross_entropy import chunk_bounds
+from fxmem.ops.chunked_attention import chunked_attention
+from fxmem.ops.chunked_cross_entropy import chunk_bounds
 
 aten = torch.ops.aten
 _MATMUL = {operator.matmul, torch.matmul, torch.bmm, aten.matmul.default, aten.bmm.default}
@@ -94,7 +94,7 @@ def _bool_mask(node) -> bool:
 
 
 def _score_op(node: torch.fx.Node, scores: torch.fx.Node, masks: list) -> tuple | None:
-    """The score op `node` applies to `scores` (see fxmem.chunked_attention), adding its tensor to `masks`."""
+    """The score op `node` applies to `scores` (see fxmem.ops.chunked_attention), adding its tensor to `masks`."""
     args, kwargs = list(node.args), dict(node.kwargs)
     if _is(node, _MUL, ("mul",)) and len(args) == 2 and not kwargs:
         other = args[1] if args[0] is scores else args[0]

@@ -1,5 +1,5 @@
 """Chunked loss pass: `linear (lm head) -> [upcast] -> [flatten] -> cross_entropy` in a captured graph,
-run in chunks of tokens (`fxmem.chunked_cross_entropy`), so the logits are never all alive at once.
+run in chunks of tokens (`fxmem.ops.chunked_cross_entropy`), so the logits are never all alive at once.
 
 Reads a captured (torch-level) GraphModule, as symbolic_trace (`nn.Linear` modules, `F.linear`,
 `F.cross_entropy`) or torch.export (`aten.linear`, `aten.cross_entropy_loss`) make it, and the chunk
@@ -18,7 +18,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from fxmem.chunked_cross_entropy import chunk_bounds, chunked_linear_cross_entropy
+from fxmem.ops.chunked_cross_entropy import chunk_bounds, chunked_linear_cross_entropy
 
 aten = torch.ops.aten
 REDUCTION_CODES = {1: "mean", 2: "sum"}  # aten's reduction enum (0 is none)

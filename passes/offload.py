@@ -5,7 +5,7 @@ Reads the forward and backward graphs the recompute pass extracted, the offloade
 each node's estimated seconds; rewrites them in place: forward copies the value out after its last
 use (`copy_out`), keeps the device copy referenced until the copy is predicted to end
 (`release`), and returns the host copy in its place; backward issues the copy back (`copy_in`)
-early enough to hide it (same first-in first-out link model as `fxmem.problem.transfer_schedule`)
+early enough to hide it (same first-in first-out link model as `fxmem.solve.problem.transfer_schedule`)
 and waits for it (`wait_in`) just before the first use. Host-side nodes carry
 `meta["fxmem"]["host"] = True` (the memory simulator does not count them). On a CPU the copies
 are plain host copies, so the semantics are testable anywhere. `tag_offload` marks joint nodes
@@ -19,7 +19,7 @@ import torch
 import torch.fx
 
 from fxmem.passes.runner import StepGraphs
-from fxmem.problem import copies_in, copies_out
+from fxmem.solve.problem import copies_in, copies_out
 
 _STREAMS: dict[torch.device, tuple] = {}
 

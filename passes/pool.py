@@ -19,9 +19,9 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from fxmem.errors import PackingError
-from fxmem.memory import storage_key, storages_of
+from fxmem.price.memory import storage_key, storages_of
 from fxmem.passes.runner import StepGraphs
-from fxmem.plan import PoolStats
+from fxmem.planner.plan import PoolStats
 from fxmem.solve.packing import Packing, pack_buffers
 
 META_KEY = "fxmem_pool"

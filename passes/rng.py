@@ -29,7 +29,7 @@ import torch.fx
 from torch._prims import rng_prims
 
 from fxmem.passes.runner import StepGraphs
-from fxmem.schedule import draws_nothing
+from fxmem.price.joint_problem import draws_nothing
 
 
 def _device(args: tuple) -> torch.device:

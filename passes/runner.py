@@ -19,7 +19,7 @@ class StepGraphs:
     """One training step's graphs. `joint`: AOTAutograd's joint forward/backward graph, whose first
     `num_fwd_outputs` outputs the caller receives; `fw` / `bw`: the extracted forward and backward
     graphs (None until the recompute pass runs). `seconds`: estimated seconds per joint node and
-    `host_link` (a `fxmem.cost.HostLink`): the offload pass's clock; `pool`: False, True or "all"
+    `host_link` (a `fxmem.price.cost.HostLink`): the offload pass's clock; `pool`: False, True or "all"
     (see passes/pool.py); `replay_ops`: see passes/rng.py."""
 
     joint: torch.fx.GraphModule

@@ -1,7 +1,7 @@
 """Shard pass: group a captured graph's nodes into units, and cut it into a chain of stage modules.
 
 Tags each node `meta["fxmem"]["unit"]` (index of its unit: a maximal run of nodes under the same
-unit (`fxmem.units`), e.g. `blocks.3` or `model.layers.3`, or a run of top-level ops), then builds one
+unit (`fxmem.trace.units`), e.g. `blocks.3` or `model.layers.3`, or a run of top-level ops), then builds one
 GraphModule per stage. Stage k takes the values crossing cut k-1 (the model's inputs for stage 0)
 and returns those crossing cut k (the model's outputs for the last stage): values a later stage
 reads pass through the stages between, because a `torch.distributed.pipelining` stage receives
@@ -16,9 +16,9 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from fxmem.cost import _clean_path
+from fxmem.price.cost import _clean_path
 from fxmem.errors import FxmemError
-from fxmem.units import unit_path
+from fxmem.trace.units import unit_path
 
 class ShardError(FxmemError, ValueError):
     """The graph cannot be cut where asked."""

@@ -104,7 +104,7 @@ def aot_eager_counting(graph_flops: list[int]):
     from torch._dynamo.backends.debugging import boxed_nop
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-    from fxmem.cost import estimate
+    from fxmem.price.cost import estimate
 
     def count(gm, example_inputs):
         graph_flops.append(estimate(gm).total_flops())

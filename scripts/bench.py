@@ -38,7 +38,7 @@ from baselines import aot_eager_counting, full_ac, hf_gpt2, sqrt_n, torch_budget
 from fxmem import models  # noqa: E402
 from fxmem.backend import plans_for  # noqa: E402
 from fxmem.measure import measure_peak_bytes, training_step  # noqa: E402
-from fxmem.op_pricing import FLOP_FORMULAS  # noqa: E402  (attention kernels torch's counter lacks)
+from fxmem.price.op_pricing import FLOP_FORMULAS  # noqa: E402  (attention kernels torch's counter lacks)
 
 QUICK = ["mlp-tiny", "gpt-tiny", "resnet-tiny", "unet-tiny"]
 FULL = ["gpt-small", "hf-gpt2", "resnet18", "unet-small", "mlp-small"]

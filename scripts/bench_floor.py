@@ -32,9 +32,9 @@ import torch.nn.functional as F
 from tabulate import tabulate
 
 import fxmem
-from fxmem.eager_meter import eager_peak_bytes
+from fxmem.trace.eager_meter import eager_peak_bytes
 from fxmem.measure import measure_peak_bytes
-from fxmem.step_module import LossStep
+from fxmem.trace.step_module import LossStep
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -101,7 +101,7 @@ def least_as_traced(case: Case, time_limit: float) -> int:
     from dataclasses import replace
 
     from fxmem.api import device_spec, make_request
-    from fxmem.engine import plan_step
+    from fxmem.run.engine import plan_step
 
     step = case.step(case.model)
     request = make_request(step, (case.ids,), case.kwargs, budget=1024, device=device_spec(None, model=step),

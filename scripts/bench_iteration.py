@@ -52,7 +52,7 @@ def micro_batch_peak(module, ids):
 
 
 def accumulation(time_limit):
-    from fxmem.step_module import LossStep
+    from fxmem.trace.step_module import LossStep
     model, ids = gpt2()
     eager = LossStep(copy.deepcopy(model), cross_entropy)
     eager(ids, target=ids).backward()

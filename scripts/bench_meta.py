@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Plan the Llama-3-8B shape (transformers `LlamaConfig`, bf16) built on the meta device, for an H100:
 wall time, this process's peak host memory (RSS), the least budget fxmem finds, and, for comparison,
-eager's and full activation checkpointing's peaks (MemTracker on fake tensors, as `fxmem.eager_meter`
+eager's and full activation checkpointing's peaks (MemTracker on fake tensors, as `fxmem.trace.eager_meter`
 measures eager; per decoder layer, `gradient_checkpointing_enable`), and the loss region's peak (the lm
 head on the last hidden states -> fp32 upcast -> cross-entropy, forward and backward, MemTracker on fake
-tensors) whole and in the chunk count the least was found with (`fxmem.chunked_cross_entropy`).
+tensors) whole and in the chunk count the least was found with (`fxmem.ops.chunked_cross_entropy`).
 Nothing runs: no weights exist.
 
 examples:
@@ -64,10 +64,10 @@ def add_shape_arguments(p: argparse.ArgumentParser) -> None:
 
 def full_ac_peak(model: torch.nn.Module, ids: torch.Tensor, target: str) -> int | None:
     """Full activation checkpointing's peak (every decoder layer recomputed in backward), MemTracker on fakes."""
-    from fxmem.cost import DeviceSpec
-    from fxmem.eager_meter import eager_peak_bytes
-    from fxmem.meta_device import planned_on
-    from fxmem.step_module import LossStep
+    from fxmem.price.cost import DeviceSpec
+    from fxmem.trace.eager_meter import eager_peak_bytes
+    from fxmem.trace.meta_device import planned_on
+    from fxmem.trace.step_module import LossStep
 
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     try:
@@ -91,7 +91,7 @@ class LossRegion(torch.nn.Module):
                                                      device=weight.device))
 
     def forward(self, labels: torch.Tensor) -> torch.Tensor:
-        from fxmem.chunked_cross_entropy import chunked_linear_cross_entropy
+        from fxmem.ops.chunked_cross_entropy import chunked_linear_cross_entropy
 
         if self.chunks == 1:
             return cross_entropy(SimpleNamespace(logits=self.lm_head(self.hidden)), labels)
@@ -102,9 +102,9 @@ class LossRegion(torch.nn.Module):
 def loss_region_bytes(model: torch.nn.Module, ids: torch.Tensor, target: str, chunks: int) -> int | None:
     """The loss region's peak above its inputs (the lm head's weight and the hidden states), their
     gradients included, MemTracker on fakes."""
-    from fxmem.cost import DeviceSpec
-    from fxmem.eager_meter import eager_peak_bytes
-    from fxmem.meta_device import planned_on
+    from fxmem.price.cost import DeviceSpec
+    from fxmem.trace.eager_meter import eager_peak_bytes
+    from fxmem.trace.meta_device import planned_on
 
     region = LossRegion(model, *ids.shape, chunks)
     inputs = sum(p.numel() * p.element_size() for p in region.parameters())

@@ -22,7 +22,7 @@ import fxmem
 from fxmem import models
 from fxmem.errors import fmt_bytes
 from fxmem.measure import measure_peak_bytes, training_step
-from fxmem.policies import POLICIES, parse_policy, units_of
+from fxmem.planner.policies import POLICIES, parse_policy, units_of
 
 
 def hand_checkpointed(model: torch.nn.Module, policy: str) -> torch.nn.Module | None:

@@ -27,7 +27,7 @@ from fxmem import models
 from fxmem.errors import fmt_bytes
 from fxmem.solve.packing import best_heuristic, heuristic_orders, live_profile, place
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests/
-from tests.pack_instances import hard_instance  # noqa: E402
+from tests.solve.pack_instances import hard_instance  # noqa: E402
 
 TINY = [("mlp-tiny", 1024), ("gpt-tiny", None), ("resnet-tiny", None), ("unet-tiny", None)]
 REALISTIC = [("gpt-small", 8), ("resnet18", 8), ("unet-small", 4)]

@@ -13,9 +13,9 @@ import torch
 
 import fxmem
 from fxmem import models
-from fxmem.engine import plan_step
+from fxmem.run.engine import plan_step
 from fxmem.measure import measure_peak_bytes
-from fxmem.planner import PlanRequest
+from fxmem.planner.planner import PlanRequest
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from baselines import full_ac

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from tabulate import tabulate
 
 import fxmem
-import fxmem.planner
+import fxmem.planner.planner
 
 MIB = 2**20
 SHAPES = ("12x768x8x1024", "24x1024x4x1024", "48x768x2x1024")  # layers x width x batch x sequence
@@ -49,13 +49,13 @@ def gpt2(shape: str):
 
 
 def budget_rows(shape: str, budgets_gb: list[float], time_limit: float) -> list[dict]:
-    """Per budget: fxmem's plan and the solver's route alone (`fxmem.planner.LARGE_CANDIDATES` raised
+    """Per budget: fxmem's plan and the solver's route alone (`fxmem.planner.planner.LARGE_CANDIDATES` raised
     past the graph's size), side by side."""
     model, ids = gpt2(shape)
-    rows, large = [], fxmem.planner.LARGE_CANDIDATES
+    rows, large = [], fxmem.planner.planner.LARGE_CANDIDATES
     for budget in budgets_gb:
         for route, limit in (("both, cheaper kept", large), ("solver's alone", 1 << 30)):
-            fxmem.planner.LARGE_CANDIDATES = limit
+            fxmem.planner.planner.LARGE_CANDIDATES = limit
             started = time.perf_counter()
             try:
                 plan = fxmem.plan(model, (ids,), budget_gb=budget, loss_fn=cross_entropy, example_target=ids,
@@ -65,7 +65,7 @@ def budget_rows(shape: str, budgets_gb: list[float], time_limit: float) -> list[
             except fxmem.InfeasibleBudgetError as error:
                 found = {"extra FLOPs": "refused", "predicted MiB": f"least {error.min_budget_bytes / MIB:.0f}"}
             finally:
-                fxmem.planner.LARGE_CANDIDATES = large
+                fxmem.planner.planner.LARGE_CANDIDATES = large
             rows.append({"shape": shape, "budget GiB": budget, "route": route, **found,
                          "whole plan s": f"{time.perf_counter() - started:.0f}"})
             print(rows[-1], flush=True)
@@ -75,7 +75,7 @@ def budget_rows(shape: str, budgets_gb: list[float], time_limit: float) -> list[
 def row(shape: str, time_limit: float) -> dict:
     model, ids = gpt2(shape)
     searched = {}
-    least_peak = fxmem.planner.least_peak
+    least_peak = fxmem.planner.planner.least_peak
 
     def timed(problem, *args, **kwargs):
         started = time.perf_counter()
@@ -83,14 +83,14 @@ def row(shape: str, time_limit: float) -> dict:
         searched.update(seconds=time.perf_counter() - started, values=problem.num_values, found=found)
         return found
 
-    lowest = fxmem.planner.lowest
+    lowest = fxmem.planner.planner.lowest
 
     def simulated(*args, **kwargs):
         found = lowest(*args, **kwargs)
         searched.update(simulated=found.timeline.peak)
         return found
 
-    fxmem.planner.least_peak, fxmem.planner.lowest = timed, simulated
+    fxmem.planner.planner.least_peak, fxmem.planner.planner.lowest = timed, simulated
     started = time.perf_counter()
     try:
         fxmem.plan(model, (ids,), budget_gb=1e-6, loss_fn=cross_entropy, example_target=ids,
@@ -98,7 +98,7 @@ def row(shape: str, time_limit: float) -> dict:
     except fxmem.InfeasibleBudgetError as error:
         least_budget = error.min_budget_bytes
     finally:
-        fxmem.planner.least_peak, fxmem.planner.lowest = least_peak, lowest
+        fxmem.planner.planner.least_peak, fxmem.planner.planner.lowest = least_peak, lowest
     total = time.perf_counter() - started
     found, peak = searched["found"], searched["simulated"]
     return {"shape (layers x width x batch x seq)": shape, "values": searched["values"],

@@ -29,7 +29,7 @@ from tabulate import tabulate
 
 import fxmem
 from fxmem import models
-from fxmem.pipeline import baseline_cuts, problem_from_plan
+from fxmem.dist.pipeline import baseline_cuts, problem_from_plan
 from fxmem.solve.stages import evaluate
 
 QUICK = ["gpt-tiny", "mlp-tiny", "resnet-tiny", "unet-tiny"]
@@ -93,7 +93,7 @@ def _worker(rank: int, port: int, out: str, name: str, overrides: dict, batch: i
         for key, cuts in splits.items():
             variant = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, first_units=tuple(cuts)))
             stage = fxmem.pipeline_stage(model, variant, rank, torch.device("cpu"))
-            stages[key] = Schedule1F1B(stage, n_microbatches=n_micro, loss_fn=fxmem.pipeline.output_is_loss)
+            stages[key] = Schedule1F1B(stage, n_microbatches=n_micro, loss_fn=fxmem.dist.pipeline.output_is_loss)
         for step in range(steps + 2):  # interleaved, first two are warm-up
             for key, schedule in stages.items():
                 dist.barrier()
@@ -102,7 +102,7 @@ def _worker(rank: int, port: int, out: str, name: str, overrides: dict, batch: i
                     schedule.step(*full)
                 else:
                     schedule.step(target=full[0], return_outputs=False)
-                fxmem.pipeline.sync_shared_grads(schedule._stage)
+                fxmem.dist.pipeline.sync_shared_grads(schedule._stage)
                 dist.barrier()
                 if step >= 2:
                     times[key].append(time.perf_counter() - start)
@@ -115,7 +115,7 @@ def _worker(rank: int, port: int, out: str, name: str, overrides: dict, batch: i
 
 def stage_seconds(batch: int, repeats: int = 7) -> dict[str, list[float]]:
     """Median forward+backward seconds of each stage module on one microbatch, one process, 1 thread."""
-    from fxmem.pipeline import stage_modules
+    from fxmem.dist.pipeline import stage_modules
 
     torch.set_num_threads(1)
     name, overrides = UNEVEN

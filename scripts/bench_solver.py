@@ -22,7 +22,7 @@ from dataclasses import replace
 
 from tabulate import tabulate
 
-from fxmem.problem import NEVER, MemoryProblem, eager_decision, peak_bytes
+from fxmem.solve.problem import NEVER, MemoryProblem, eager_decision, peak_bytes
 from fxmem.solve.recompute import solve
 from fxmem.solve.recompute.exact import exact_min_peak, solve_exact
 from fxmem.solve.recompute.layered import layered_min_peak
@@ -36,7 +36,7 @@ def zoo_problem(name: str, batch: int | None = None, **overrides) -> MemoryProbl
     """The MemoryProblem fxmem builds for one training step of a zoo preset (fake tensors)."""
     import torch
 
-    import fxmem.planner as planner
+    import fxmem.planner.planner as planner
     from fxmem import models
     from fxmem.api import plan
 

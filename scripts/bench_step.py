@@ -3,7 +3,7 @@
 without and with `loss_fn`, each measured (MemTracker on CPU, max_memory_allocated on CUDA) against
 its budget and against PyTorch eager. Prints a markdown table. With --full-ac: fxmem's least
 feasible budget for the step (loss included), with the loss as traced and with it in chunks where that
-lowers it (`fxmem.loss_chunks`), against full activation checkpointing's measured peak; then fxmem
+lowers it (`fxmem.planner.loss_chunks`), against full activation checkpointing's measured peak; then fxmem
 planned at full-AC's peak: its measured peak, chunk count and extra FLOPs, both methods' gradients
 against eager's (the same dropout seed) and their step times, interleaved in one process (medians),
 with the machine's load average.
@@ -26,7 +26,7 @@ from tabulate import tabulate
 
 import fxmem
 from fxmem.measure import measure_peak_bytes
-from fxmem.step_module import LossStep
+from fxmem.trace.step_module import LossStep
 
 MIB = 2**20
 
@@ -134,7 +134,7 @@ def _least(model, x, y, traced: bool) -> tuple[int, int, int]:
     from dataclasses import replace
 
     from fxmem.api import device_spec, make_request
-    from fxmem.engine import plan_step
+    from fxmem.run.engine import plan_step
 
     step = LossStep(model, cross_entropy)
     request = make_request(step, (x,), {"target": y}, budget=1024, device=device_spec(None, model=step),

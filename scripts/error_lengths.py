@@ -33,7 +33,7 @@ def main() -> None:
         lines = [line for line in done.stderr.splitlines() if not line.startswith("[transformers]")]
         last = next((line for line in reversed(lines) if line and not line.startswith(("(", " ", "Set "))), "")
         print(f"{name:40s} {len(lines):4d} lines  {last[:100]}")
-    pipe = subprocess.run(f"{sys.executable} -m fxmem.cli --list-models | head -1", shell=True,
+    pipe = subprocess.run(f"{sys.executable} -m fxmem.cli.main --list-models | head -1", shell=True,
                           capture_output=True, text=True)
     print(f"{'fxmem-plan --list-models | head -1':40s} {len(pipe.stderr.splitlines()):4d} lines on stderr")
 

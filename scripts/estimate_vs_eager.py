@@ -13,7 +13,7 @@ import transformers
 
 import fxmem
 from fxmem.measure import measure_peak_bytes
-from fxmem.step_module import LossStep
+from fxmem.trace.step_module import LossStep
 
 
 def lm_loss(out, y):

@@ -124,9 +124,9 @@ def make_fixture(directory: str, model: str, batch: int) -> dict:
 def plan_graphs(model, inputs, budget: int | None, device):
     """fxmem's plan of `model` on `inputs` for `device` (fake tensors), and its forward and backward graphs."""
     from fxmem.api import make_request
-    from fxmem.capture import capture
-    from fxmem.engine import CompiledStep, trace_on_fakes
-    from fxmem.planner import Planner
+    from fxmem.trace.capture import capture
+    from fxmem.run.engine import CompiledStep, trace_on_fakes
+    from fxmem.planner.planner import Planner
 
     class Recording(Planner):
         def __call__(self, joint, joint_inputs, **kw):
@@ -145,8 +145,8 @@ def predict(fixture: dict, fractions: list[float] | None = None) -> list[dict]:
     and simulate their graphs with the target's allocator model."""
     import torch
     from fxmem import models
-    from fxmem.cost import DeviceSpec
-    from fxmem.memory import AllocatorModel, simulate_step
+    from fxmem.price.cost import DeviceSpec
+    from fxmem.price.memory import AllocatorModel, simulate_step
 
     target = DeviceSpec.from_name(fixture["target"])
     as_recorded = replace(target, block_bytes=1, blas_workspace_bytes=0, scratch_ops=())

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Measure how far fxmem's predicted peak falls below the measured one, the figure the planning margin
-(`fxmem.margin`) is made of: per model and budget, plan with fxmem.optimize, measure the step with an
+(`fxmem.planner.margin`) is made of: per model and budget, plan with fxmem.optimize, measure the step with an
 independent meter (MemTracker on CPU, torch.cuda.max_memory_allocated on a GPU) and print
 (measured - predicted) / predicted. Positive: fxmem predicted too little (the margin must cover it).
 Models: the zoo's tiny presets and transformers architectures from tiny configs, each trained as users

@@ -167,7 +167,7 @@ def test_inplace_ops_and_views_train_exactly():
 def test_budget_at_the_eager_peak_is_met_by_the_eager_step():
     """A budget equal to the step's eager peak is never refused for the planner's safety margin: the
     step as PyTorch runs it fits (a single Linear has nothing to recompute)."""
-    from fxmem.step_module import LossStep
+    from fxmem.trace.step_module import LossStep
 
     torch.manual_seed(0)
     model, x, y = torch.nn.Linear(256, 256), torch.randn(64, 256), torch.randn(64, 256)

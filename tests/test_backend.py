@@ -13,7 +13,7 @@ import fxmem
 from fxmem import models
 from fxmem.backend import fxmem_backend, has_cxx_compiler, plan_path, plans_for
 from fxmem.measure import measure_peak_bytes, training_step
-from fxmem.plan_facts import HELD
+from fxmem.planner.plan_facts import HELD
 from tests.conftest import GIB, assert_trains_like
 
 BATCH = {"mlp-tiny": 1024}
@@ -215,7 +215,7 @@ def test_entry_point_registered_without_importing_fxmem():
     not torch.cuda.is_available(), reason="needs a CUDA device"))])
 def test_prices_for_the_device_the_inputs_live_on(on_cuda):
     """Without a `device` option the plan is priced for the inputs' device: the GPU's own preset on CUDA."""
-    from fxmem.cost import preset_for
+    from fxmem.price.cost import preset_for
     device = torch.device("cuda" if on_cuda else "cpu")
     model, inputs = _setup("mlp-tiny")
     model, inputs = model.to(device), tuple(t.to(device) for t in inputs)
@@ -274,15 +274,15 @@ def _count_rng_saves(monkeypatch) -> list[int]:
     """How many random ops each graph planned from now on saves a generator state for."""
     from torch._prims.rng_prims import run_and_save_rng_state
 
-    import fxmem.planner
-    seen, plan = [], fxmem.planner.Planner.__call__
+    import fxmem.planner.planner
+    seen, plan = [], fxmem.planner.planner.Planner.__call__
 
     def counting(self, joint, inputs, **kwargs):
         fw, bw = plan(self, joint, inputs, **kwargs)
         seen.append(sum(n.target is run_and_save_rng_state for n in fw.graph.nodes))
         return fw, bw
 
-    monkeypatch.setattr(fxmem.planner.Planner, "__call__", counting)
+    monkeypatch.setattr(fxmem.planner.planner.Planner, "__call__", counting)
     return seen
 
 

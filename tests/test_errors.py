@@ -249,14 +249,14 @@ def test_fxmem_full_traceback_keeps_every_frame(monkeypatch):
     with pytest.raises(fxmem.InfeasibleBudgetError) as info:
         fxmem.plan(model, (x,), budget_gb=1e-6)
     lines = printed(info.value)  # the planner's own frames (and AOTAutograd's where this plan traced the step)
-    assert len(lines) > 40 and "fxmem/planner.py" in "\n".join(lines)
+    assert len(lines) > 40 and "fxmem/planner/planner.py" in "\n".join(lines)
 
 
 def test_cli_exits_quietly_when_its_reader_leaves():
     read, write = os.pipe()
     os.close(read)  # `fxmem-plan --list-models | head` after head has left
     try:
-        done = subprocess.run([sys.executable, "-m", "fxmem.cli", "--list-models"], stdout=write,
+        done = subprocess.run([sys.executable, "-m", "fxmem.cli.main", "--list-models"], stdout=write,
                               stderr=subprocess.PIPE, text=True, timeout=120)
     finally:
         os.close(write)

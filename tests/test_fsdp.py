@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from fxmem.fsdp import FsdpPlan, full_checkpoint_peak, plan_fsdp
-from fxmem.fsdp_memory import in_flight_blocks, rank_parts
+from fxmem.dist.fsdp_memory import in_flight_blocks, rank_parts
 
 WORLD = 2
 gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo backend")

@@ -17,7 +17,7 @@ def test_solvers_import_no_torch():
     import sys
 
     root = pathlib.Path(fxmem.__file__).parent
-    names = ["fxmem.problem"] + sorted(
+    names = ["fxmem.solve.problem"] + sorted(
         "fxmem." + ".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
         for p in (root / "solve").rglob("*.py"))
     code = ("import importlib, sys\n"

@@ -1,7 +1,7 @@
 """The torch-free solvers, one subpackage or module per problem. Each reads plain integers and lists
 (no torch, no fx, no files) and returns plain data:
 
-  recompute/   keep / recompute / offload each value saved for backward (`fxmem.problem.MemoryProblem`
+  recompute/   keep / recompute / offload each value saved for backward (`fxmem.solve.problem.MemoryProblem`
                -> `fxmem.solve.solution.Solution`): greedy, CP-SAT, exact, layered, brute force
   packing/     offsets of buffers with known lifetimes in one arena (`pack_buffers` -> `Packing`)
   stages.py    contiguous pipeline stages under a per-stage memory budget (`StageProblem` -> `StagePlan`)

@@ -1,8 +1,8 @@
 """A solver's answer to a `MemoryProblem`: the decision, its cost and peak, and how sure the solver is.
 
-Reads a `fxmem.problem.MemoryProblem`; writes nothing. Every solver of the keep / recompute /
+Reads a `fxmem.solve.problem.MemoryProblem`; writes nothing. Every solver of the keep / recompute /
 offload problem (`fxmem.solve.recompute`) returns a `Solution` made by `make_solution`, whose
-objective and peak are always recomputed from the decision with the helpers in `fxmem.problem`,
+objective and peak are always recomputed from the decision with the helpers in `fxmem.solve.problem`,
 whatever the solver believed internally.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable
 
-from fxmem.problem import MemoryProblem, decision_cost, peak_bytes
+from fxmem.solve.problem import MemoryProblem, decision_cost, peak_bytes
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ until none applies: blocks with the same lifetime are stacked into one (sizes ad
 ending exactly when another block of the same size starts is chained with it (one slot reused).
 Blocks never overlap inside, so any packing of the blocks is a packing of the buffers. Merging can
 lose the optimum (it fixes who sits next to whom), so the result is a candidate to compare, not the
-answer; on instances cut from a rectangle (`tests/pack_instances.py`) it rebuilds most of the cutting.
+answer; on instances cut from a rectangle (`tests/solve/pack_instances.py`) it rebuilds most of the cutting.
 """
 from __future__ import annotations
 

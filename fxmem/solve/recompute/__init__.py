@@ -1,16 +1,16 @@
 """Solvers for the keep-or-recompute problem: pick the recompute set R for a `MemoryProblem`
 (and, when the problem allows offload, the set O of values copied to host and back).
 
-Reads a `fxmem.problem.MemoryProblem` and nothing else (no torch, no fx, no files);
+Reads a `fxmem.solve.problem.MemoryProblem` and nothing else (no torch, no fx, no files);
 returns a `Solution` whose objective and peak are always recomputed from R with the
-helpers in `fxmem.problem`, whatever the solver believed internally.
+helpers in `fxmem.solve.problem`, whatever the solver believed internally.
 """
 from __future__ import annotations
 
 from dataclasses import replace
 from typing import Callable
 
-from fxmem.problem import MemoryProblem
+from fxmem.solve.problem import MemoryProblem
 from fxmem.solve.recompute.auto import solve_auto
 from fxmem.solve.recompute.brute import solve_brute
 from fxmem.solve.recompute.cpsat import cpsat_min_peak, solve_cpsat

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from fxmem.problem import MemoryProblem
+from fxmem.solve.problem import MemoryProblem
 from fxmem.solve.recompute.cpsat import solve_cpsat
 from fxmem.solve.recompute.exact import solve_exact
 from fxmem.solve.recompute.greedy import solve_greedy

@@ -8,7 +8,7 @@ A value Inductor would compute inside its readers (`MemoryProblem.fused`) may ho
 """
 from __future__ import annotations
 
-from fxmem.problem import NEVER, MemoryProblem
+from fxmem.solve.problem import NEVER, MemoryProblem
 
 
 def peak_lower_bound(problem: MemoryProblem) -> int:

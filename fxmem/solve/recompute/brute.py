@@ -1,7 +1,7 @@
 """Exhaustive reference solver for tiny problems (tests and sanity checks only).
 
 Reads a `MemoryProblem`; writes nothing. Tries every subset of the recomputable candidates
-(at most 20 of them) and judges each with the helpers in `fxmem.problem`.
+(at most 20 of them) and judges each with the helpers in `fxmem.solve.problem`.
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 from itertools import combinations
 from typing import Iterator
 
-from fxmem.problem import (
+from fxmem.solve.problem import (
     MemoryProblem,
     eager_decision,
     is_valid,

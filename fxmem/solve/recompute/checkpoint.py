@@ -2,7 +2,7 @@
 around each block does, written in the problem's terms.
 
 Reads a `MemoryProblem` and its `Layers` (or, for `checkpoint_units`, the checkpointed unit of each
-candidate, as `fxmem.policies` finds them by module path); returns a recompute set. Torch-free. Within each layer,
+candidate, as `fxmem.planner.policies` finds them by module path); returns a recompute set. Torch-free. Within each layer,
 every value no later layer reads is recomputed (if it can be); what a layer passes on is kept;
 `repair` adds what cannot be saved. `least` offers it beside its searches: at real model size the
 searches alone stop far above it (a GPT-2 of 124M shape with its loss: 2258 MiB found, 1739 MiB
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from fxmem.problem import MemoryProblem, repair
+from fxmem.solve.problem import MemoryProblem, repair
 from fxmem.solve.recompute.layers import Layers
 
 

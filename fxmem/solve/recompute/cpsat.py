@@ -2,7 +2,7 @@
 
 Reads a `MemoryProblem`; writes nothing. Booleans r_i (recompute) and s_i (save); integers
 made_i (the step a recomputed value is made) and end_i (its last step alive), linked as in
-`fxmem.problem.lifetimes`; memory is a cumulative resource over optional intervals, with the
+`fxmem.solve.problem.lifetimes`; memory is a cumulative resource over optional intervals, with the
 decision-independent base bytes as fixed intervals. Offload (when the problem allows it): o_i
 replaces value i's saved interval by two, before its copy out ends and after its copy back
 starts, each copy as it would run alone on the link; a no-overlap constraint per direction keeps
@@ -16,7 +16,7 @@ import time
 
 from ortools.sat.python import cp_model
 
-from fxmem.problem import (
+from fxmem.solve.problem import (
     NEVER,
     MemoryProblem,
     decision_cost,

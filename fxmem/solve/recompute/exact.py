@@ -2,7 +2,7 @@
 
 Reads a `MemoryProblem`; writes nothing. An independent formulation from `fxmem.solve.recompute.cpsat`:
 memory is checked at every step where some lifetime can begin or end (the `saved_from`,
-`need_first` and `need_last` values; lifetimes of `fxmem.problem.lifetimes` only ever begin and
+`need_first` and `need_last` values; lifetimes of `fxmem.solve.problem.lifetimes` only ever begin and
 end there) and on the open stretches between them, with booleans
   r_v, s_v       recompute / save v
   M[v,k]         v is recomputed and made at or before point k (exact: min over readers)
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from fxmem.problem import NEVER, MemoryProblem, eager_decision, is_valid, peak_bytes
+from fxmem.solve.problem import NEVER, MemoryProblem, eager_decision, is_valid, peak_bytes
 from fxmem.solve.solution import Solution, make_solution
 
 DEFAULT_TIME_LIMIT_S = 600.0

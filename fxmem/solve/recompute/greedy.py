@@ -3,7 +3,7 @@
 Reads a `MemoryProblem`; writes nothing. Starts from eager autograd's decision and, while the
 peak is over budget, recomputes the value alive at the peak step that lowers it most per unit of
 cost; then drops recomputations the budget no longer needs. Moves are priced incrementally: a
-change re-derives lifetimes only upstream of the values it touches (`fxmem.problem.lifetimes`
+change re-derives lifetimes only upstream of the values it touches (`fxmem.solve.problem.lifetimes`
 rules) and updates a segment tree over the memory profile. Seeds CP-SAT and `min_peak`.
 When the problem allows offload, a second run first offloads the largest values alive at the peak
 (copies that hide cost almost nothing), then recomputes; the cheaper of the two runs is returned.
@@ -14,7 +14,7 @@ import heapq
 import time
 from dataclasses import replace
 
-from fxmem.problem import (
+from fxmem.solve.problem import (
     NEVER,
     MemoryProblem,
     decision_cost,

@@ -6,7 +6,7 @@ number of bytes the layer keeps from forward to backward, and for each peak of t
 Spreads them over the layers: every option on all layers, then two option groups whose split is
 a knapsack on kept bytes, its cap bisected (also with the last layer's option fixed, and with
 only options holding few bytes beyond their kept ones) until the whole decision's peak,
-measured with `fxmem.problem.peak_bytes`, fits the budget. Cheaper assemblies over the budget
+measured with `fxmem.solve.problem.peak_bytes`, fits the budget. Cheaper assemblies over the budget
 get an exact re-solve of the candidates outside the layers; the winner is pruned and its
 outside and last layer re-solved exactly. Stops within `MAX_TIME_S` whatever the depth.
 """
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from fxmem.problem import (
+from fxmem.solve.problem import (
     MemoryProblem,
     eager_decision,
     is_valid,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fxmem.problem import NEVER, MemoryProblem, held_sizes, lifetimes
+from fxmem.solve.problem import NEVER, MemoryProblem, held_sizes, lifetimes
 
 MIN_LAYERS, MIN_LENGTH = 2, 4
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
-from fxmem.problem import MemoryProblem, is_valid, peak_bytes, recompute_cost
+from fxmem.solve.problem import MemoryProblem, is_valid, peak_bytes, recompute_cost
 from fxmem.solve.recompute.bound import peak_lower_bound
 from fxmem.solve.recompute.checkpoint import checkpoint_layers
 from fxmem.solve.recompute.cpsat import cpsat_min_peak

@@ -1,7 +1,7 @@
 """The memory profile with each backward step's recomputation played in order.
 
 Reads a `MemoryProblem` and a decision; returns bytes per step. Torch-free.
-`fxmem.problem.memory_profile` counts every value recomputed for step t as alive at t together. The
+`fxmem.solve.problem.memory_profile` counts every value recomputed for step t as alive at t together. The
 rewritten backward graph makes them one after another just before step t, in forward order, and frees
 each once its last reader among them is made, so a recomputed chain (matmul, scale, mask, softmax)
 holds at most a few of its links at once. Here each step is preceded by a *phase*, one sub-step per
@@ -13,7 +13,7 @@ stay conservative against it.
 """
 from __future__ import annotations
 
-from fxmem.problem import MemoryProblem, held_sizes, lifetimes, profile_of
+from fxmem.solve.problem import MemoryProblem, held_sizes, lifetimes, profile_of
 
 
 def phase_profile(problem: MemoryProblem, recompute, offload=()) -> list[int]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import heapq
 import time
 
-from fxmem.problem import (
+from fxmem.solve.problem import (
     MemoryProblem,
     is_valid,
     lifetimes,

@@ -1,0 +1,196 @@
+"""How many chunks of tokens the loss is computed in: a planner decision, priced like recompute.
+
+Reads a captured graph, its loss sites (`passes/chunked_loss.py`) and the request's budget; plans the
+step as it is (1 chunk) and, where that does not fit or fits only by recomputing more than the lm head
+costs, plans it with the loss in chunks (each a fresh copy of the graph rewritten by `chunk_loss`):
+where 1 chunk does not fit, the fewest of 2, 4, 8, ... that fits (bisected from the most worth making);
+then, where that plan recomputes more than the lm head costs (and, where 1 chunk fits, the loss region is
+a tenth of the budget or more), twice as many chunks, and twice again, while each count is predicted
+faster than half of it (more chunks free more, so less is recomputed), keeping the fastest. A budget below the
+loss's floor as traced (`traced_floor`: parameters and the log-softmax with its gradient) skips
+planning 1 chunk, as does a least named with chunks below that floor. Chunking costs the lm head's
+matmul once more in backward: the plan counts it in `extra_flops` and its step time. Applying a plan
+rewrites the graph with the plan's `loss_chunks`. Only requests with `chunk_loss` (`fxmem.plan`,
+`fxmem.optimize`) chunk: pipeline stages and device regions plan their graphs as traced. A model whose
+other outputs are returned beside its `labels=` loss keeps its logits, which no chunking frees: its
+refusal says `keep_outputs=False` lets the loss be chunked. Writes
+`Plan.loss_chunks`, `Plan.loss_chunk_tokens` and `Plan.numerics`; nothing to disk.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable
+
+import torch.fx
+
+from fxmem.errors import InfeasibleBudgetError, PlanMismatchError, fmt_bytes
+from fxmem.trace.loss import DROP_OUTPUTS
+from fxmem.passes.chunked_loss import LossSite, chunk_loss, loss_sites
+
+log = logging.getLogger("fxmem")
+
+MAX_CHUNKS = 64  # more chunks lengthen the graph (each is ~20 ops a pass) for a few MiB less
+MIN_GAIN = 0.01  # chunking is not tried where the whole loss region is less than this share of the least budget
+WORTH_TRYING = 0.1  # where as traced fits, more chunks are planned only if the region is this share of the budget
+NUMERICS = ("loss and gradients of the lm head and cross-entropy summed chunk by chunk: equal to eager's "
+            "to float reassociation")
+
+PlanGraph = Callable[[torch.fx.GraphModule, Any], tuple[Any, Any]]
+
+
+def copy_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A GraphModule with its own copy of `gm`'s graph and the same parameters, buffers and submodules."""
+    import copy
+    import warnings
+
+    with warnings.catch_warnings():  # copying export's pytree specs warns of a deprecated spec class
+        warnings.simplefilter("ignore", FutureWarning)
+        graph = copy.deepcopy(gm.graph)
+    fresh = torch.fx.GraphModule(gm, graph)
+    fresh.meta = dict(gm.meta)
+    return fresh
+
+
+def most_chunks(sites: list[LossSite]) -> int:
+    """The most chunks worth making: a power of two at which one chunk's fp32 logits are no larger than
+    the hidden states they are made from (at most `MAX_CHUNKS`, at least one token per chunk)."""
+    return power_of_two_chunks(lambda k: any(site.vocab > k * site.hidden_size for site in sites),
+                               min(site.tokens for site in sites), MAX_CHUNKS)
+
+
+def power_of_two_chunks(too_large: Callable[[int], bool], rows: int, most: int) -> int:
+    """The least power of two k (at least 2, at most `most`) for which `too_large(k)` is false, then
+    halved until every chunk keeps at least one of `rows` rows."""
+    k = 2
+    while k < most and too_large(k):
+        k *= 2
+    while k > 2 and k > rows:
+        k //= 2
+    return k
+
+
+def chunked_plan(plan: Any, sites: list[LossSite], chunks: int, device: Any) -> Any:
+    """`plan` stating its chunk count, with the lm head's matmul done again in backward priced as extra
+    work (its FLOPs and seconds are in the chunked graph's own step; the eager step has them once)."""
+    if chunks <= 1:
+        return plan
+    flops = sum(site.lm_head_flops() for site in sites)
+    seconds = sum(device.seconds(site.lm_head_flops(), 0, site.dtype) for site in sites)
+    tokens = ", ".join(str(site.chunk_tokens(chunks)) for site in sites)
+    return dataclasses.replace(
+        plan, loss_chunks=chunks, loss_chunk_tokens=tokens, numerics=NUMERICS,
+        extra_flops=plan.extra_flops + flops, total_flops=max(0, plan.total_flops - flops),
+        baseline_step_s=max(0.0, plan.baseline_step_s - seconds))
+
+
+def plan_with_loss_chunks(gm: torch.fx.GraphModule, request: Any, plan_graph: PlanGraph) -> tuple[Any, Any]:
+    """(plan, step) for `gm` under `request`: `plan_graph(graph, request)` on the graph as captured or
+    with its loss chunked, as the budget needs (see the module docstring)."""
+    sites = loss_sites(gm)
+    given = request.plan
+    if given is not None:
+        chunks = getattr(given, "loss_chunks", 1)
+        if chunks > 1 and not sites:
+            raise PlanMismatchError(
+                f"this plan computes the loss in {chunks} chunks, but this model has no lm head -> cross-entropy "
+                "whose logits nothing else reads; make a new plan with fxmem.plan(...) for this model")
+        return plan_graph(chunk_loss(copy_graph(gm), chunks), request)
+    if not sites or request.budget_bytes is None or not request.chunk_loss:
+        try:
+            return plan_graph(gm, request)
+        except InfeasibleBudgetError as exc:
+            if request.chunk_loss and DROP_OUTPUTS in (getattr(request, "loss", "") or ""):
+                exc.args = (f"{exc.args[0]}; the model's other outputs (its logits) are returned and held to the "
+                            f"step's end, so its loss cannot be computed in chunks of tokens: {DROP_OUTPUTS} and "
+                            "lets fxmem chunk an lm head's cross-entropy",)
+            raise
+
+    def chunked(chunks: int) -> tuple[Any, Any]:
+        plan, step = plan_graph(chunk_loss(copy_graph(gm), chunks), request)
+        step.planner.plan = plan = chunked_plan(plan, sites, chunks, request.device)
+        return plan, step
+
+    def as_traced() -> tuple[Any, Any] | InfeasibleBudgetError:
+        try:
+            return plan_graph(copy_graph(gm), request)
+        except InfeasibleBudgetError as exc:
+            return exc
+
+    lm_head_flops, most, floor = sum(site.lm_head_flops() for site in sites), most_chunks(sites), traced_floor(gm, sites)
+    region = sum(site.region_bytes() for site in sites)
+    unchunked = as_traced() if request.budget_bytes >= floor else None  # below the floor it cannot fit
+    if isinstance(unchunked, tuple):
+        if region < WORTH_TRYING * request.budget_bytes:
+            return unchunked  # chunks free too little to matter (each is a whole plan: minutes under Inductor)
+        return _fastest_chunks(chunked, unchunked, lm_head_flops, most)
+    if unchunked is not None and region < MIN_GAIN * unchunked.min_budget_bytes:
+        raise unchunked  # the whole loss region is less than chunking must gain: the floor is elsewhere
+    try:
+        fitting = chunked(most)
+    except InfeasibleBudgetError as exc:
+        if unchunked is None and exc.min_budget_bytes >= floor:  # chunks may not go lower: compare
+            unchunked = as_traced()
+            if isinstance(unchunked, tuple):
+                return unchunked
+        if unchunked is None or exc.min_budget_bytes < unchunked.min_budget_bytes:
+            raise _with_chunks(exc, most) from None
+        raise unchunked from None
+    fitting = fewest_fitting(chunked, most, fitting, "loss in %d chunks")
+    log.info("fxmem: the loss is computed in %d chunks of tokens", fitting[0].loss_chunks)
+    return _fastest_chunks(chunked, fitting, lm_head_flops, most)
+
+
+def traced_floor(gm: torch.fx.GraphModule, sites: list[LossSite]) -> int:
+    """A lower bound on the peak of any plan with the loss as traced: the parameters, held for the whole
+    step, and a site's log-softmax output and its gradient (tokens x vocab each), alive together in its
+    backward whatever is kept or recomputed. Where a budget is below it, the loss as traced is not
+    planned; where chunks name a least below it, it is not planned to compare."""
+    params = sum(p.numel() * p.element_size() for p in gm.parameters())
+    return params + max(2 * site.tokens * site.vocab * site.dtype.itemsize for site in sites)
+
+
+def _fastest_chunks(chunked: Callable[[int], tuple[Any, Any]], fitting: tuple[Any, Any], lm_head_flops: int,
+                    most: int) -> tuple[Any, Any]:
+    """From the plan of the fewest chunks that fits (`fitting`, 1 where the loss as traced fits), the
+    fastest predicted of it and twice, four times, ... its chunks (up to `most`): each count frees more
+    of the loss region, so that less is recomputed, while chunking's own cost (the lm head's matmul once
+    more) is the same at every count. Doubling stops where a count does not fit, where a count above 2
+    is not faster than half of it, or after a plan that recomputes no more than the lm head's matmul (no
+    count can then be faster)."""
+    best = previous = fitting
+    chunks = 2 * getattr(fitting[0], "loss_chunks", 1)
+    while previous[0].extra_flops > lm_head_flops and chunks <= most:  # a chunked plan's counts the lm head's
+        try:
+            candidate = chunked(chunks)
+        except InfeasibleBudgetError:
+            break
+        if candidate[0].predicted_step_s < best[0].predicted_step_s:
+            best = candidate
+        if chunks > 2 and candidate[0].predicted_step_s >= previous[0].predicted_step_s:
+            break
+        previous, chunks = candidate, chunks * 2
+    return best
+
+
+def fewest_fitting(chunked: Callable[[int], tuple[Any, Any]], most: int, best: tuple[Any, Any],
+                   what: str) -> tuple[Any, Any]:
+    """The plan of the fewest chunks among the powers of two below `most` that `chunked` plans without
+    raising InfeasibleBudgetError, bisected; `best` (planned at `most`) where none does. `what` % chunks
+    names a refused count in the log."""
+    low, high = 0, most.bit_length() - 1  # exponents: 2**low does not fit, 2**high does
+    while high - low > 1:
+        middle = (low + high) // 2
+        try:
+            best, high = chunked(2 ** middle), middle
+        except InfeasibleBudgetError as exc:
+            log.info("fxmem: %s: least budget %s", what % 2 ** middle, fmt_bytes(exc.min_budget_bytes))
+            low = middle
+    return best
+
+
+def _with_chunks(exc: InfeasibleBudgetError, chunks: int) -> InfeasibleBudgetError:
+    """`exc` saying the least budget it names has the loss computed in `chunks` chunks."""
+    exc.loss_chunks = chunks
+    exc.args = (f"{exc.args[0]} (least with the loss computed in {chunks} chunks of tokens)",)
+    return exc

@@ -1,0 +1,144 @@
+"""The step of a model that torch.export cannot capture whole, planned through Dynamo instead.
+
+Reads the user's model and the request the whole-graph capture failed on; writes nothing. Where
+forward has data-dependent control flow (a label check such as `if labels.max() >= n`, LayerDrop's
+random `if`), an op of data-dependent shape, or code torch.export refuses, `fxmem.optimize` falls back
+to `torch.compile(model, backend="fxmem")` with the same budget: Dynamo splits forward at the breaks,
+runs the Python between the graphs eagerly, and the compile backend (`fxmem.backend`) plans every
+graph of the step under the one budget; a first forward without autograd (`fxmem.run.dynamo.ledger.survey_step`)
+tells the ledger which graph uses which parameters, so each graph's plan counts the gradients
+later graphs produce before its backward, and a second (`probe_step`) what each
+graph needs at least, so a budget below what the graphs need together is refused before any runs
+and each graph keeps no more for backward than leaves the later graphs room. A graph a loop calls once
+per layer counts once per layer of its `ModuleList` (`fxmem.run.dynamo.layer_loops`), the layers the first step
+skipped (LayerDrop) included. The graphs run with AOTAutograd's eager kernels
+(`inner="aot_eager"`), so training matches eager as the whole-graph path does.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from typing import Any, Sequence
+
+import torch
+
+from fxmem.backend import compile_graph, ledger_for, open_ledger, plans_for
+from fxmem.budget import budget_bytes
+from fxmem.trace.capture import untouched
+from fxmem.errors import GIB, FxmemError, InfeasibleBudgetError, TraceError
+from fxmem.run.dynamo.shared_budget import ProbePlanner, shares_for
+from fxmem.run.dynamo.layer_loops import every_layer
+from fxmem.run.dynamo.ledger import Ledger, survey_step
+from fxmem.planner.plan import Plan
+from fxmem.planner.planner import PlanRequest
+from fxmem.planner.resident import refusal_with_resident, resident_parts, with_resident
+
+log = logging.getLogger("fxmem")
+
+
+def probe_step(model: torch.nn.Module, args: Sequence[Any], kwargs: dict, options: dict, survey: list,
+               model_name: str) -> list[ProbePlanner]:
+    """Run one forward through Dynamo with the fxmem backend's requests, keep-all plans only: the
+    planner of each graph, in the order the step runs them."""
+    ledger = Ledger(0, model=model, survey=survey, model_name=model_name)
+    planners: list[ProbePlanner] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        def planner_for(request, record):
+            planners.append(ProbePlanner(dataclasses.replace(request, budget_bytes=None), ledger, record))
+            return planners[-1]
+        return compile_graph(gm, example_inputs, options, ledger, planner_for, count_saved=False)
+
+    with untouched(model):
+        out = torch.compile(model, backend=backend)(*args, **kwargs)
+    del out
+    return [p for p in planners if p.plan is not None]  # graphs without a backward are not planned
+
+
+def eager_random():
+    """Dynamo, by default, draws `np.random` from torch's generator (other numbers than eager's, and
+    torch's generator left elsewhere); NumPy's own stream, as eager draws it (transformers' SpecAugment
+    masks), runs the draws eagerly between the graphs."""
+    return torch._dynamo.config.patch(use_numpy_random_stream=True)
+
+
+class DynamoStep:
+    """A compiled `model` whose graphs, split where Dynamo breaks, share `request`'s budget."""
+
+    def __init__(self, model: torch.nn.Module, request: PlanRequest, reason: TraceError):
+        if request.plan is not None or request.offload or request.pool or request.resident_bytes:
+            raise TraceError(reason.construct, reason.fix + "; plan=, offload=, pool= and optimizer= need the "
+                             "model captured as one graph (without them fxmem.optimize plans it through Dynamo)")
+        # gradients resident from the start (accumulation): the graphs share the budget less them
+        self.resident = resident_parts(0, request.resident_gradient_bytes, request.resident_gradients)
+        self.budget, self.gradients = request.budget_bytes, request.resident_gradients
+        if self.resident and self.budget <= sum(self.resident.values()):
+            raise InfeasibleBudgetError(self.budget, sum(self.resident.values()) + 1, self.resident)
+        self.options = {"budget_gb": (self.budget - sum(self.resident.values())) / GIB, "inner": request.inner,
+                        "device": request.device,
+                        "time_limit_s": request.time_limit_s, "solver": request.solver}
+        self.reason, self.warned, self.model, self.name = reason, False, model, request.model
+        self.compiled = torch.compile(model, backend="fxmem", options=self.options)
+        log.info("fxmem: %s could not be captured as one graph (%s); planning its graphs through Dynamo",
+                 request.model, reason.construct)
+
+    @property
+    def plans(self) -> list[Plan]:
+        """One plan per graph Dynamo captured, in order (with resident gradients, stated for the whole budget)."""
+        plans = plans_for(self.options)
+        if not self.resident:
+            return plans
+        return [dataclasses.replace(with_resident(p, self.resident, self.budget), resident_gradients=self.gradients)
+                for p in plans]
+
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        with eager_random():
+            return self._step(args, kwargs)
+
+    def _step(self, args: tuple, kwargs: dict) -> Any:
+        ledger = ledger_for(self.options)
+        if ledger is None and torch.is_grad_enabled():  # the first step: learn which graphs use which parameters
+            survey = survey_step(self.model, args, kwargs)  # and what each graph needs at least
+            survey, added = every_layer(self.model, survey)  # with every layer of a LayerDrop loop running
+            probes = probe_step(self.model, args, kwargs, self.options, survey, self.name)
+            for probe in probes:
+                probe.runs = probe.record.calls + added.get(frozenset(probe.record.grads), 0)
+            try:
+                shares = shares_for(probes, budget_bytes(self.options["budget_gb"]))
+            except InfeasibleBudgetError as exc:
+                if not self.resident:
+                    raise
+                raise refusal_with_resident(exc, self.resident, self.budget) from None
+            ledger = open_ledger(self.options, self.model, survey, self.name, shares,
+                                 {p.record.index: p.runs for p in probes if p.runs > 1})
+        before = [r.calls for r in ledger.records] if ledger is not None else []
+        try:
+            out = self.compiled(*args, **kwargs)
+        except torch._dynamo.exc.BackendCompilerFailed as exc:  # fxmem's own refusal, as the one-graph path says it
+            inner = getattr(exc, "inner_exception", None)
+            if isinstance(inner, InfeasibleBudgetError) and self.resident:
+                raise refusal_with_resident(inner, self.resident, self.budget) from None
+            if isinstance(inner, FxmemError):
+                raise inner from None
+            raise
+        self._check_repeats(before)
+        return out
+
+    def _check_repeats(self, before: list[int]) -> None:
+        """Warn once when a graph ran more often in this step than the budget counts (once, or once per
+        layer of the loop that calls it): each run keeps its own activations for backward."""
+        ledger = ledger_for(self.options)
+        if self.warned or ledger is None:
+            return
+        before = before + [0] * (len(ledger.records) - len(before))
+        repeated = [(r.index, r.calls - b, ledger.runs.get(r.index, 1)) for r, b in zip(ledger.records, before)
+                    if r.calls - b > ledger.runs.get(r.index, 1)]
+        if repeated:
+            self.warned = True
+            runs = ", ".join(f"graph {i} {n} times (budgeted for {most})" for i, n, most in repeated)
+            message = (f"fxmem: one step ran {runs}: a loop with a graph break whose runs fxmem did not count (not "
+                       "one graph per layer of a ModuleList, or layers the first step skipped all of); each run keeps "
+                       "its activations for backward, so the step may use more than budget_gb. Capture the loop as "
+                       "one graph (decide the skips outside forward) to plan it exactly")
+            warnings.warn(message, stacklevel=3)

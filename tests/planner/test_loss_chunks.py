@@ -1,0 +1,113 @@
+"""`fxmem.planner.loss_chunks`: a `labels=` model whose logits are returned beside its loss cannot have its
+loss chunked; its refusal says so and names keep_outputs=False, which lets it chunk and need less.
+Where a plan fits, the chunk count is doubled while the plan gets faster; the least search skips
+planning the loss as traced below its floor."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fxmem
+
+
+def _gpt2(n_layer: int, n_embd: int, vocab: int, batch: int, seq: int):
+    """A transformers GPT-2 of that shape, without a cache, and a batch of token ids for it."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=n_layer, n_embd=n_embd, n_head=2, vocab_size=vocab, n_positions=seq, use_cache=False))
+    return model, torch.randint(0, vocab, (batch, seq))
+
+
+def test_labels_refusal_names_keep_outputs_false_which_chunks_the_loss():
+    model, ids = _gpt2(n_layer=1, n_embd=32, vocab=2000, batch=2, seq=64)
+    kwargs = {"input_ids": ids, "labels": ids}
+    with pytest.raises(fxmem.InfeasibleBudgetError) as kept:
+        fxmem.plan(model, (), 0.001, example_kwargs=kwargs, time_limit_s=2)
+    assert "keep_outputs=False" in str(kept.value) and "\n" not in str(kept.value), kept.value
+    with pytest.raises(fxmem.InfeasibleBudgetError) as dropped:
+        fxmem.plan(model, (), 0.001, example_kwargs=kwargs, keep_outputs=False, time_limit_s=2)
+    assert "chunks of tokens" in str(dropped.value), dropped.value
+    assert dropped.value.min_budget_bytes < kept.value.min_budget_bytes
+
+
+def _counts(predicted: dict[int, float], extra: dict[int, int], asked: list[int]):
+    """A stand-in for planning the step with the loss in k chunks: plans whose predicted time and extra
+    FLOPs are given per k (a k missing from `predicted` does not fit)."""
+    from types import SimpleNamespace
+
+    def chunked(k: int):
+        asked.append(k)
+        if k not in predicted:
+            raise fxmem.InfeasibleBudgetError(1, 2)
+        return SimpleNamespace(loss_chunks=k, predicted_step_s=predicted[k], extra_flops=extra[k]), None
+    return chunked
+
+
+@pytest.mark.parametrize("predicted, extra, chosen, asked", [
+    # more chunks free more of the loss region: doubled while faster, stopped at the first not faster
+    ({1: 10.0, 2: 9.0, 4: 8.5, 8: 8.5, 16: 7.0}, {1: 50, 2: 40, 4: 30, 8: 30, 16: 12}, 4, [1, 2, 4, 8]),
+    # stopped after a plan recomputing no more than the lm head (10): no count can be faster
+    ({1: 10.0, 2: 9.0, 4: 8.0}, {1: 50, 2: 10, 4: 10}, 2, [1, 2]),
+    # a count that does not fit stops the doubling
+    ({1: 10.0, 2: 9.0}, {1: 50, 2: 40}, 2, [1, 2, 4]),
+    # as traced recomputing no more than the lm head costs: never chunked
+    ({1: 10.0, 2: 9.0}, {1: 10, 2: 10}, 1, [1]),
+    # 2 chunks pay the lm head's matmul and are slower, 4 free enough to be faster
+    ({1: 10.0, 2: 10.5, 4: 9.5, 8: 9.6}, {1: 50, 2: 45, 4: 30, 8: 30}, 4, [1, 2, 4, 8]),
+    # nor are 4: as traced kept
+    ({1: 10.0, 2: 10.5, 4: 10.6, 8: 9.0}, {1: 50, 2: 45, 4: 40, 8: 30}, 1, [1, 2, 4]),
+    # from the fewest chunks that fit (4), up to the most worth making (16)
+    ({4: 9.0, 8: 8.0, 16: 7.0, 32: 6.0}, {4: 50, 8: 40, 16: 30, 32: 20}, 16, [4, 8, 16]),
+])
+def test_fastest_chunks_doubles_the_count_while_the_plan_gets_faster(predicted, extra, chosen, asked):
+    from fxmem.planner.loss_chunks import _fastest_chunks
+
+    tried: list[int] = []
+    chunked = _counts(predicted, extra, tried)
+    plan, _ = _fastest_chunks(chunked, chunked(min(predicted)), lm_head_flops=10, most=16)
+    assert plan.loss_chunks == chosen and tried == asked
+
+
+def test_least_is_the_same_when_the_loss_as_traced_is_not_planned_below_its_floor(monkeypatch):
+    import torch.nn.functional as F
+
+    import fxmem.run.engine
+    import fxmem.planner.loss_chunks
+
+    model, ids = _gpt2(n_layer=1, n_embd=32, vocab=2000, batch=2, seq=64)
+    planned, plan_graph = [], fxmem.run.engine._planned
+    monkeypatch.setattr(fxmem.run.engine, "_planned", lambda *args: planned.append(args[1]) or plan_graph(*args))
+
+    def least() -> fxmem.InfeasibleBudgetError:
+        with pytest.raises(fxmem.InfeasibleBudgetError) as refused:
+            fxmem.plan(model, (ids,), 1e-6, loss_fn=lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten()),
+                       example_target=ids, time_limit_s=2)
+        return refused.value
+
+    skipping = least()
+    floor_skipped = len(planned)
+    monkeypatch.setattr(fxmem.planner.loss_chunks, "traced_floor", lambda gm, sites: 0)  # the loss as traced planned too
+    compared = least()
+    assert (skipping.min_budget_bytes, skipping.loss_chunks) == (compared.min_budget_bytes, compared.loss_chunks)
+    assert skipping.loss_chunks > 1 and floor_skipped == 1 and len(planned) - floor_skipped == 2
+
+
+def test_a_loss_region_under_a_tenth_of_the_budget_is_not_chunked_where_the_step_fits(monkeypatch):
+    import fxmem.run.engine
+    import fxmem.planner.loss_chunks
+
+    model, ids = _gpt2(n_layer=2, n_embd=64, vocab=64, batch=4, seq=128)
+    kwargs = {"input_ids": ids, "labels": ids}
+    with pytest.raises(fxmem.InfeasibleBudgetError) as refused:
+        fxmem.plan(model, (), 1e-6, example_kwargs=kwargs, keep_outputs=False, time_limit_s=2)
+    budget = 1.1 * refused.value.min_budget_bytes / 2**30  # matmuls recomputed: more than the lm head's cost
+    planned, plan_graph = [], fxmem.run.engine._planned
+    monkeypatch.setattr(fxmem.run.engine, "_planned", lambda *args: planned.append(args[1]) or plan_graph(*args))
+    plan = fxmem.plan(model, (), budget, example_kwargs=kwargs, keep_outputs=False, time_limit_s=2)
+    lm_head_flops = 2 * 512 * 64 * 64  # the loss region, 3 x 512 x 64 x 4 bytes, is 7% of the budget
+    assert plan.extra_flops > lm_head_flops and plan.loss_chunks == 1 and len(planned) == 1
+    monkeypatch.setattr(fxmem.planner.loss_chunks, "WORTH_TRYING", 0.0)
+    planned.clear()
+    fxmem.plan(model, (), budget, example_kwargs=kwargs, keep_outputs=False, time_limit_s=2)
+    assert len(planned) > 1

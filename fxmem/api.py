@@ -23,7 +23,7 @@ from fxmem.run.eager_step import eager_peak_within, eager_plan
 from fxmem.run.engine import ANY_BUDGET, OptimizedModule, plan_step, signature_of
 from fxmem.error_boundary import public
 from fxmem.run.inductor.step import check_inner, default_inner, replays_random
-from fxmem.trace.loss import planned_step
+from fxmem.trace.step import planned_step
 from fxmem.trace.meta_device import planned_on, refuse_meta_model
 from fxmem.price.optimizer_state import model_state_bytes
 from fxmem.dist.pipeline import PipelineRequest, plan_pipeline

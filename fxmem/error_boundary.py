@@ -15,6 +15,7 @@ sorted three ways:
 from __future__ import annotations
 
 import functools
+import importlib.util
 import linecache
 import os
 import sys
@@ -159,7 +160,21 @@ def _internal(tb: types.TracebackType) -> bool:
         return tb.tb_frame.f_globals.get("__name__") != "__main__"
     path = os.path.realpath(filename)
     installed = f"{os.sep}site-packages{os.sep}" in path or f"{os.sep}dist-packages{os.sep}" in path
-    return path.startswith(_torch_dirs() + _fxmem_dirs()) or (path.startswith(_stdlib_dirs()) and not installed)
+    return (is_library_file(path) and not path.startswith(_zoo_dirs())) or \
+        (path.startswith(_stdlib_dirs()) and not installed)
+
+
+def is_library_file(filename: str) -> bool:
+    """True for a source file of torch or of fxmem itself (its passes and model zoo included), by where the
+    packages are loaded from (not by folder names: a user's own code may live in a folder called fxmem or
+    torch). The one rule for "library code"; tracebacks keep a zoo model's frames all the same, as the
+    user's model (`_internal`)."""
+    return os.path.realpath(filename).startswith(_library_dirs())
+
+
+@functools.lru_cache(maxsize=1)
+def _library_dirs() -> tuple[str, ...]:
+    return tuple(sorted(set(_torch_dirs() + _fxmem_dirs() + _zoo_dirs())))
 
 
 @functools.lru_cache(maxsize=1)
@@ -167,16 +182,23 @@ def _torch_dirs() -> tuple[str, ...]:
     import functorch
     import torch
 
-    return _folders(torch, functorch)
+    return _folders(torch.__path__, functorch.__path__)
 
 
 @functools.lru_cache(maxsize=1)
 def _fxmem_dirs() -> tuple[str, ...]:
-    """fxmem's package and its passes, not its model zoo (a zoo model's forward is the user's model)."""
-    import fxmem
-    import fxmem.passes
+    """fxmem's package and its passes (each a folder of its own), not its model zoo."""
+    return _folders(*_subpackage_paths("fxmem", "fxmem.passes"))
 
-    return _folders(fxmem, fxmem.passes)
+
+@functools.lru_cache(maxsize=1)
+def _zoo_dirs() -> tuple[str, ...]:
+    return _folders(*_subpackage_paths("fxmem.models"))
+
+
+def _subpackage_paths(*names: str) -> list:
+    """Where fxmem's packages are loaded from, found without loading them."""
+    return [importlib.util.find_spec(name).submodule_search_locations for name in names]
 
 
 @functools.lru_cache(maxsize=1)
@@ -184,5 +206,5 @@ def _stdlib_dirs() -> tuple[str, ...]:
     return tuple({os.path.join(os.path.realpath(sysconfig.get_paths()[k]), "") for k in ("stdlib", "platstdlib")})
 
 
-def _folders(*packages: types.ModuleType) -> tuple[str, ...]:
-    return tuple(sorted({os.path.join(os.path.realpath(d), "") for p in packages for d in p.__path__}))
+def _folders(*paths: Any) -> tuple[str, ...]:
+    return tuple(sorted({os.path.join(os.path.realpath(d), "") for path in paths for d in path}))

@@ -15,17 +15,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-
-def loss_of(out: Any) -> torch.Tensor:
-    """The scalar to call backward on: the output itself, its `loss` field, or the sum of its
-    floating-point tensors."""
-    if isinstance(out, torch.Tensor) and out.dim() == 0:
-        return out
-    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
-    if isinstance(loss, torch.Tensor) and loss.dim() == 0:
-        return loss
-    return sum(t.float().sum() for t in torch.utils._pytree.tree_leaves(out)
-               if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad)
+from fxmem.trace.loss import loss_of
 
 
 def training_step(module: torch.nn.Module, inputs: Sequence[Any], kwargs: dict | None = None) -> Any:

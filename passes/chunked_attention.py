@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from fxmem.ops.chunked_attention import chunked_attention
 from fxmem.ops.chunked_cross_entropy import chunk_bounds
+from fxmem.meta_keys import ATTENTION_CHUNKS, NAMESPACE
 
 aten = torch.ops.aten
 _MATMUL = {operator.matmul, torch.matmul, torch.bmm, aten.matmul.default, aten.bmm.default}
@@ -231,8 +232,8 @@ def chunk_attention(gm: torch.fx.GraphModule, chunks: int) -> torch.fx.GraphModu
         site, q, kt, v, ops, masks, removed = match
         with graph.inserting_before(out):
             node = graph.call_function(chunked_attention, (q, kt, v, chunks, ops, *masks))
-        node.meta.update({k: val for k, val in out.meta.items() if k != "fxmem"})
-        node.meta["fxmem"] = {"attention_chunks": len(chunk_bounds(site.queries, chunks))}
+        node.meta.update({k: val for k, val in out.meta.items() if k != NAMESPACE})
+        node.meta[NAMESPACE] = {ATTENTION_CHUNKS: len(chunk_bounds(site.queries, chunks))}
         out.replace_all_uses_with(node)
         order = {n: i for i, n in enumerate(graph.nodes)}
         for dead in sorted(removed, key=order.__getitem__, reverse=True):  # readers before producers

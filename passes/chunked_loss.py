@@ -19,6 +19,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from fxmem.ops.chunked_cross_entropy import chunk_bounds, chunked_linear_cross_entropy
+from fxmem.meta_keys import LOSS_CHUNKS, NAMESPACE
 
 aten = torch.ops.aten
 REDUCTION_CODES = {1: "mean", 2: "sum"}  # aten's reduction enum (0 is none)
@@ -181,9 +182,9 @@ def chunk_loss(gm: torch.fx.GraphModule, chunks: int) -> torch.fx.GraphModule:
             chunked = graph.call_function(chunked_linear_cross_entropy, (hidden, weight, bias, target, chunks),
                                           {"reduction": site.reduction, "ignore_index": site.ignore_index,
                                            "label_smoothing": site.label_smoothing, "dtype": site.dtype})
-        chunked.meta.update({k: v for k, v in ce.meta.items() if k != "fxmem"})
+        chunked.meta.update({k: v for k, v in ce.meta.items() if k != NAMESPACE})
         chunked.meta.setdefault("nn_module_stack", linear.meta.get("nn_module_stack", {}))
-        chunked.meta["fxmem"] = {"loss_chunks": len(chunk_bounds(site.tokens, chunks))}
+        chunked.meta[NAMESPACE] = {LOSS_CHUNKS: len(chunk_bounds(site.tokens, chunks))}
         ce.replace_all_uses_with(chunked)
         for node in sorted(removed, key=_position(graph), reverse=True):  # readers before producers
             graph.erase_node(node)

@@ -15,6 +15,8 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
+from fxmem.meta_keys import DEVICE, NAMESPACE, tags
+
 
 def to_device(x: Any, device: str) -> Any:
     """`x` on `device` (a tensor; other values and tensors already there pass through)."""
@@ -71,7 +73,7 @@ def place(gm: torch.fx.GraphModule, node_device: Mapping[str, str | tuple[str, i
             device, region = placed[0]
         _move_state(state, device)
         home.update({id(t): (device, region) for _, _, t in _state_of(gm, node)})
-        node.meta.setdefault("fxmem", {})["device"] = device
+        tags(node)[DEVICE] = device
         if node.op == "placeholder":  # inputs: wherever the caller put them; moved where read
             continue
         device_of[node] = (device, region)
@@ -84,14 +86,14 @@ def place(gm: torch.fx.GraphModule, node_device: Mapping[str, str | tuple[str, i
             if key not in moved:
                 with graph.inserting_before(node):
                     moved[key] = graph.call_function(to_device, (source, device))
-                moved[key].meta = {"fxmem": {"device": device}}
+                moved[key].meta = {NAMESPACE: {DEVICE: device}}
             node.replace_input_with(source, moved[key])
     output = graph.output_node()
     with graph.inserting_before(output):
         def back(n: Any) -> Any:
             if isinstance(n, torch.fx.Node):
                 mover = graph.call_function(to_device, (n, output_device))
-                mover.meta = {"fxmem": {"device": output_device}}
+                mover.meta = {NAMESPACE: {DEVICE: output_device}}
                 return mover
             return n
         output.args = pytree.tree_map(back, output.args)

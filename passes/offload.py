@@ -20,6 +20,7 @@ import torch.fx
 
 from fxmem.passes.runner import StepGraphs
 from fxmem.solve.problem import copies_in, copies_out
+from fxmem.meta_keys import DECISION, HOST, NAMESPACE, OFFLOAD, tags
 
 _STREAMS: dict[torch.device, tuple] = {}
 
@@ -77,7 +78,7 @@ def tag_offload(joint: torch.fx.GraphModule, offloaded: Iterable[str]) -> torch.
     names = set(offloaded)
     for node in joint.graph.nodes:
         if node.name in names:
-            node.meta.setdefault("fxmem", {})["decision"] = "offload"
+            tags(node)[DECISION] = "offload"
             node.meta["should_offload"] = True
     return joint
 
@@ -160,7 +161,7 @@ def _rewrite_forward(fw: torch.fx.GraphModule, values: list[torch.fx.Node], seco
         with graph.inserting_after(after):
             host = graph.call_function(copy_out, (v,))
         host.meta["val"] = _host_val(v.meta["val"])
-        host.meta["fxmem"] = {"host": True, "offload": v.name}
+        host.meta[NAMESPACE] = {HOST: True, OFFLOAD: v.name}
         lo, hi = last_use[v] + 1, len(nodes) - 2  # hi: the last node before the output
         anchor = nodes[_at_time(nodes, starts, end, lo, hi) if lo <= hi else last_use[v]]
         with graph.inserting_after(host if anchor is after else anchor):
@@ -186,6 +187,6 @@ def _rewrite_backward(bw: torch.fx.GraphModule, placeholders: list[torch.fx.Node
             ready = graph.call_function(wait_in, (dev,))
         # The device copy stands for the saved value: backward views of it share its storage.
         dev.meta["val"] = ready.meta["val"] = p.meta["val"]
-        p.meta["fxmem"] = {"host": True, "offload": p.name}
+        p.meta[NAMESPACE] = {HOST: True, OFFLOAD: p.name}
         for user in users:
             user.replace_input_with(p, ready)

@@ -6,11 +6,12 @@ an inference graph run under `torch.no_grad()`); rewrites pooled nodes to their 
 into an `as_strided` view of one uint8 arena, or, for ops without one (and random ops, whose `.out`
 overload may draw numbers differently), computes as before and `copy_`s into the slot. Intermediates
 that are graph inputs, reach an output (views included), or come from multi-output ops stay with the
-allocator. Writes `gm.meta["fxmem_pool"]` (`PoolStats`) and `node.meta["fxmem"]["pool"]` (offset, path).
+allocator. Writes `gm.meta["fxmem"]["pool"]` (`PoolStats`) and `node.meta["fxmem"]["pool"]` (offset, path).
 """
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Hashable
 
 import numpy as np
@@ -21,15 +22,35 @@ import torch.utils._pytree as pytree
 from fxmem.errors import PackingError
 from fxmem.price.memory import storage_key, storages_of
 from fxmem.passes.runner import StepGraphs
-from fxmem.planner.plan import PoolStats
 from fxmem.solve.packing import Packing, pack_buffers
+from fxmem.meta_keys import NAMESPACE, POOL, tag, tags
 
-META_KEY = "fxmem_pool"
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """What pooling one graph did. Bytes: `no_reuse_bytes` (one allocation per pooled intermediate,
+    all alive at once), `lower_bound_bytes` (most pooled bytes alive at one node), `arena_bytes` (the
+    one arena). `allocations_avoided`: allocator calls no longer made (`.out` writes minus the arena).
+    `unpooled`: intermediates that cannot be pooled (multi-output ops...); `kept_for_peak`: poolable
+    ones left to the allocator because pooling them would raise the graph's peak."""
+
+    no_reuse_bytes: int
+    lower_bound_bytes: int
+    arena_bytes: int
+    allocations_avoided: int
+    pooled: int
+    out_variant: int
+    copied: int
+    unpooled: int
+    kept_for_peak: int
+    solver_status: str
+    solve_time_s: float
 
 
 def pool_stats(gm: torch.fx.GraphModule) -> PoolStats | None:
     """The stats `pool_graph` recorded on `gm`, or None if it was not pooled."""
-    return gm.meta.get(META_KEY)
+    return tag(gm, POOL)
 
 
 def out_overload(op: Any) -> tuple[Any, str] | None:
@@ -243,15 +264,15 @@ def pool_graph(gm: torch.fx.GraphModule, *, alignment: int = 64, time_limit_s: f
             copied += 1
         else:
             node.replace_all_uses_with(new)
-            new.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "fxmem")})
+            new.meta.update({k: v for k, v in node.meta.items() if k not in ("val", NAMESPACE)})
             graph.erase_node(node)
             out_count += 1
         new.meta["val"] = slot.meta.get("val", val)
         _refresh_aliases(new, old_key)
         tag = {"offset": offset, "path": "out" if out else "copy", "of": node.name}
-        new.meta["fxmem"] = {**node.meta.get("fxmem", {}), "pool": tag}
+        new.meta[NAMESPACE] = {**node.meta.get(NAMESPACE, {}), POOL: tag}
     gm.recompile()
-    gm.meta[META_KEY] = PoolStats(
+    tags(gm)[POOL] = PoolStats(
         no_reuse_bytes=packing.no_reuse_bytes, lower_bound_bytes=packing.lower_bound_bytes,
         arena_bytes=packing.arena_bytes if live else 0, allocations_avoided=max(0, out_count - 1),
         pooled=len(live), out_variant=out_count, copied=copied, unpooled=unpooled, kept_for_peak=dropped,

@@ -30,6 +30,7 @@ from torch._prims import rng_prims
 
 from fxmem.passes.runner import StepGraphs
 from fxmem.price.joint_problem import draws_nothing
+from fxmem.meta_keys import HOST, NAMESPACE, RNG
 
 
 def _device(args: tuple) -> torch.device:
@@ -77,7 +78,7 @@ def tag_replayed(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> list[tor
     recomputed = [n for n in bw.graph.nodes if draws(n) and n.name in forward]
     for copy in recomputed:
         for node, role in ((forward[copy.name], "save"), (copy, "replay")):  # meta dicts are shallow copies
-            node.meta["fxmem"] = {**node.meta.get("fxmem", {}), "rng": role}
+            node.meta[NAMESPACE] = {**node.meta.get(NAMESPACE, {}), RNG: role}
     return recomputed
 
 
@@ -148,7 +149,7 @@ def _save_state(fw: torch.fx.GraphModule, node: torch.fx.Node, save: Any, for_gp
     pair.meta = {**node.meta, "val": (state_val, value)}
     state.meta = {"val": state_val}
     if device.type != "cpu":  # CUDA's state is a host tensor: no device bytes
-        state.meta["fxmem"] = {"host": True}
+        state.meta[NAMESPACE] = {HOST: True}
     out.meta = dict(node.meta)
     node.replace_all_uses_with(out)
     fw.graph.erase_node(node)

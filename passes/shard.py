@@ -16,9 +16,10 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from fxmem.price.cost import _clean_path
+from fxmem.trace.module_path import clean_path
 from fxmem.errors import FxmemError
 from fxmem.trace.units import unit_path
+from fxmem.meta_keys import PARAM_NAMES, UNIT, has_tag, tag, tags
 
 class ShardError(FxmemError, ValueError):
     """The graph cannot be cut where asked."""
@@ -39,7 +40,7 @@ def _skipped(node: torch.fx.Node) -> bool:
 
 def _unit_key(node: torch.fx.Node, model: torch.nn.Module) -> str:
     stack = node.meta.get("nn_module_stack") or {}
-    paths = [_clean_path(p if isinstance(p, str) else str(p)) for p, _ in stack.values()]
+    paths = [clean_path(p if isinstance(p, str) else str(p)) for p, _ in stack.values()]
     paths = [p for p in paths if p]
     if paths:
         return unit_path(model, paths[-1])
@@ -79,7 +80,7 @@ def tag_units(gm: torch.fx.GraphModule, model: torch.nn.Module) -> list[Unit]:
         labels.append(key or _top_level_label(nodes))
     for u, nodes in enumerate(members):
         for node in nodes:
-            node.meta.setdefault("fxmem", {})["unit"] = u
+            tags(node)[UNIT] = u
         units.append(Unit(labels[u], tuple(n.name for n in nodes)))
     return units
 
@@ -104,17 +105,17 @@ def unit_of(node: torch.fx.Node, num_units: int) -> int:
         return -1
     if node.op == "output":
         return num_units
-    return node.meta["fxmem"]["unit"]
+    return tag(node, UNIT)
 
 
 def crossing(gm: torch.fx.GraphModule, num_units: int) -> list[list[torch.fx.Node]]:
     """For each cut k (between units k and k+1), the values made at or before unit k and read after it."""
     cuts: list[list[torch.fx.Node]] = [[] for _ in range(num_units - 1)]
     for node in gm.graph.nodes:
-        if node.op in ("get_attr", "output") or (node.op != "placeholder" and "unit" not in node.meta.get("fxmem", {})):
+        if node.op in ("get_attr", "output") or (node.op != "placeholder" and not has_tag(node, UNIT)):
             continue
         made = unit_of(node, num_units)
-        readers = [unit_of(u, num_units) for u in node.users if u.op == "output" or "unit" in u.meta.get("fxmem", {})]
+        readers = [unit_of(u, num_units) for u in node.users if u.op == "output" or has_tag(u, UNIT)]
         for k in range(max(made, 0), min(max(readers, default=made), num_units - 1)):
             cuts[k].append(node)
     return cuts
@@ -149,7 +150,7 @@ def _stage_module(gm: torch.fx.GraphModule, lo: int, hi: int, takes: list[torch.
     for node in gm.graph.nodes:
         if node.op == "get_attr" and any(_runs_in(u, lo, hi, num_units) for u in node.users):
             env[node] = graph.node_copy(node, lambda n: env[n])
-        elif not _skipped(node) and lo <= node.meta["fxmem"]["unit"] < hi:
+        elif not _skipped(node) and lo <= tag(node, UNIT) < hi:
             missing = [i.name for i in node.all_input_nodes if i not in env]
             if missing:
                 raise ShardError(f"stage of units {lo}..{hi - 1}: node {node.name} reads {missing}, which no "
@@ -162,9 +163,9 @@ def _stage_module(gm: torch.fx.GraphModule, lo: int, hi: int, takes: list[torch.
     else:
         graph.output(tuple(env[n] for n in gives))
     stage = torch.fx.GraphModule(gm, graph, class_name=f"Stage_{lo}_{hi - 1}")
-    stage.meta["fxmem_param_names"] = {name: name for name, _ in stage.named_parameters(remove_duplicate=False)}
+    tags(stage)[PARAM_NAMES] = {name: name for name, _ in stage.named_parameters(remove_duplicate=False)}
     return stage
 
 
 def _runs_in(node: torch.fx.Node, lo: int, hi: int, num_units: int) -> bool:
-    return not _skipped(node) and lo <= node.meta["fxmem"]["unit"] < hi
+    return not _skipped(node) and lo <= tag(node, UNIT) < hi

@@ -25,6 +25,7 @@ from fxmem.planner.planner import Planner, PlanRequest
 from fxmem.solve.stages import StageProblem, solve_stages, stage_cost
 from fxmem.dist.stage_costs import (PipelineRequest, _example, _input_specs, baseline_cuts, build_problem,  # noqa: F401
                                layer_units, problem_from_plan)
+from fxmem.meta_keys import PARAM_NAMES, tag
 
 MAX_ROUNDS = 4
 CHECK_TRIES = 4  # plans at the least a refusal names (raised each time) before naming it unchecked
@@ -241,7 +242,7 @@ def pipeline_stage(model: torch.nn.Module, plan: Plan, stage_index: int, device:
     if not 0 <= stage_index < max(num_stages, 1) or not num_stages:
         raise ValueError(f"stage_index {stage_index} is not a stage of this plan ({num_stages} stages)")
     module = stage_gm = stage_modules(model, plan)[stage_index].to(device)
-    names = module.meta["fxmem_param_names"]
+    names = tag(module, PARAM_NAMES)
     stage_plan = plan.pipeline.stages[stage_index].stage_plan()
     if stage_plan is not None:
         module = OptimizedModule(module, lambda _, args, kwargs: PlanRequest(

@@ -32,6 +32,7 @@ from fxmem.passes.shard import Unit, crossing, split_stages, tag_units
 from fxmem.planner.plan import Plan
 from fxmem.planner.planner import PlanRequest
 from fxmem.dist.stage_costs import unit_costs
+from fxmem.meta_keys import UNIT, tag, has_tag
 
 DETACH = (torch.ops.aten.detach.default, torch.Tensor.detach, "detach")
 
@@ -73,7 +74,7 @@ def price_units(model: torch.nn.Module, args: tuple, kwargs: dict, eager: Plan, 
     first_reader: dict[int, tuple[int, int, bool]] = {}  # parameter -> (first unit reading it, bytes, trains)
     for node in gm.graph.nodes:
         value = getattr_path(gm, node.target) if node.op == "get_attr" else None
-        readers = [u.meta["fxmem"]["unit"] for u in node.users if "unit" in u.meta.get("fxmem", {})]
+        readers = [tag(u, UNIT) for u in node.users if has_tag(u, UNIT)]
         if isinstance(value, torch.nn.Parameter) and readers:
             unit = min(readers + [first_reader.get(id(value), (len(units),))[0]])
             first_reader[id(value)] = (unit, value.numel() * value.element_size(), value.requires_grad)
@@ -94,11 +95,11 @@ def unit_reads(gm: torch.fx.GraphModule, num_units: int) -> tuple[frozenset[int]
             value = getattr_path(gm, node.target)
             if isinstance(value, torch.Tensor):
                 for user in node.users:
-                    if "unit" in user.meta.get("fxmem", {}):
-                        reads[user.meta["fxmem"]["unit"]].add(id(value))
-        elif node.op == "call_module" and "unit" in node.meta.get("fxmem", {}):
+                    if has_tag(user, UNIT):
+                        reads[tag(user, UNIT)].add(id(value))
+        elif node.op == "call_module" and has_tag(node, UNIT):
             owner = gm.get_submodule(node.target)
-            reads[node.meta["fxmem"]["unit"]].update(id(t) for t in [*owner.parameters(), *owner.buffers()])
+            reads[tag(node, UNIT)].update(id(t) for t in [*owner.parameters(), *owner.buffers()])
     return tuple(frozenset(r) for r in reads)
 
 

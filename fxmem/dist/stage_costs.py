@@ -17,6 +17,7 @@ from fxmem.price.optimizer_state import bytes_per_param_byte
 from fxmem.passes.shard import Unit, crossing, value_bytes
 from fxmem.planner.plan import Plan
 from fxmem.solve.stages import StageProblem, min_max_cuts
+from fxmem.meta_keys import COST, UNIT, tag, has_tag
 
 # Bytes/s between neighbouring stages: gloo over loopback on CPU, NVLink-class links on GPUs.
 LINK_BYTES_PER_S = {"cpu": 5e9}
@@ -47,13 +48,13 @@ def unit_costs(joint: torch.fx.GraphModule, gm: torch.fx.GraphModule, num_units:
     graph's `meta["fxmem"]["cost"]`; backward nodes follow their forward node through `meta["seq_nr"]`.
     `saved_bytes`: per joint node, the storage bytes the eager step keeps for backward (a view's
     base counted once), as the whole model's eager plan rows give them."""
-    unit_by_name = {n.name: n.meta["fxmem"]["unit"] for n in gm.graph.nodes if "unit" in n.meta.get("fxmem", {})}
+    unit_by_name = {n.name: tag(n, UNIT) for n in gm.graph.nodes if has_tag(n, UNIT)}
     names = set(unit_by_name)
     fwd, bwd, saved = [0.0] * num_units, [0.0] * num_units, [0] * num_units
     by_seq: dict[int, int] = {}
     backward = []
     for node in joint.graph.nodes:
-        cost = node.meta.get("fxmem", {}).get("cost")
+        cost = tag(node, COST)
         if cost is None:
             continue
         if node.meta.get("partitioner_tag") == "is_backward":
@@ -82,7 +83,7 @@ def _unit_params(gm: torch.fx.GraphModule, model: torch.nn.Module, num_units: in
     for node in gm.graph.nodes:
         if node.op == "get_attr" and _is_param(gm, node.target):
             params, users = [gm.get_parameter(node.target)], list(node.users)
-        elif node.op == "call_module" and "unit" in node.meta.get("fxmem", {}):
+        elif node.op == "call_module" and has_tag(node, UNIT):
             params, users = list(gm.get_submodule(node.target).parameters()), [node]
         else:
             continue
@@ -92,8 +93,8 @@ def _unit_params(gm: torch.fx.GraphModule, model: torch.nn.Module, num_units: in
             name = canonical[id(value)]
             sizes[name] = value.numel() * value.element_size()
             for user in users:
-                if "unit" in user.meta.get("fxmem", {}):
-                    readers.setdefault(name, set()).add(user.meta["fxmem"]["unit"])
+                if has_tag(user, UNIT):
+                    readers.setdefault(name, set()).add(tag(user, UNIT))
     return readers, sizes
 
 

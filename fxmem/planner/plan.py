@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fxmem.errors import PlanMismatchError
+from fxmem.passes.pool import PoolStats
 from fxmem.planner.report import format_plan
 
 SCHEMA_VERSION = 2
@@ -41,27 +42,6 @@ class NodeRow:
     @property
     def kept_on_device(self) -> bool:
         return self.decision == "save"
-
-
-@dataclass(frozen=True)
-class PoolStats:
-    """What pooling one graph did. Bytes: `no_reuse_bytes` (one allocation per pooled intermediate,
-    all alive at once), `lower_bound_bytes` (most pooled bytes alive at one node), `arena_bytes` (the
-    one arena). `allocations_avoided`: allocator calls no longer made (`.out` writes minus the arena).
-    `unpooled`: intermediates that cannot be pooled (multi-output ops...); `kept_for_peak`: poolable
-    ones left to the allocator because pooling them would raise the graph's peak."""
-
-    no_reuse_bytes: int
-    lower_bound_bytes: int
-    arena_bytes: int
-    allocations_avoided: int
-    pooled: int
-    out_variant: int
-    copied: int
-    unpooled: int
-    kept_for_peak: int
-    solver_status: str
-    solve_time_s: float
 
 
 @dataclass(frozen=True)

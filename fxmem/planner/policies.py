@@ -29,7 +29,8 @@ from typing import Any, Iterable, Sequence
 
 import torch.fx
 
-from fxmem.price.cost import is_pointwise, module_path
+from fxmem.price.cost import is_pointwise
+from fxmem.trace.module_path import module_path
 from fxmem.errors import FxmemError, fmt_bytes, gb_at_least
 from fxmem.planner.margin import margin_for
 from fxmem.solve.problem import MemoryProblem, repair

@@ -23,6 +23,8 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from fxmem.price.memory import storage_bytes, storage_key, tensors_of
 from fxmem.price.op_pricing import FLOP_FORMULAS, gpu_attention_kernel, needs_fallback
+from fxmem.meta_keys import COST, tags
+from fxmem.trace.module_path import module_path
 
 
 @dataclass(frozen=True)
@@ -211,22 +213,6 @@ class CostTable:
         return {c.op: c.kernel for c in self.nodes.values() if c.kernel}
 
 
-def module_path(node: torch.fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
-    return _clean_path(path)
-
-
-def _clean_path(path: str) -> str:
-    # export records paths like "L['self'].layers[0]" in some modes; keep the dotted form.
-    path = path.replace("L['self'].", "").replace("L['self']", "")
-    for ch in "[]'\"":
-        path = path.replace(ch, "." if ch == "[" else "")
-    return ".".join(p for p in path.split(".") if p and p != "_modules")
-
-
 def is_view(node: torch.fx.Node) -> bool:
     """True when every tensor the node yields shares storage with an input of its op
     (for `getitem`, an input of the multi-output op it picks from)."""
@@ -290,7 +276,7 @@ def estimate(gm: torch.fx.GraphModule, device: DeviceSpec | None = None,
         saved = out_bytes if any(u in backward for u in node.users) and node not in backward else 0
         cost = NodeCost(node.name, _op_name(node), module_path(node), out_bytes, saved, flops, seconds, view,
                         fallback, kernel.name if kernel is not None else "")
-        node.meta.setdefault("fxmem", {})["cost"] = cost
+        tags(node)[COST] = cost
         table[node.name] = cost
     return CostTable(device, MappingProxyType(table))
 

@@ -17,6 +17,8 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from fxmem.meta_keys import HOST, tag
+
 
 def tensors_of(node: torch.fx.Node) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor)]
@@ -32,7 +34,7 @@ def storage_bytes(t: torch.Tensor) -> int:
 
 def on_host(node: torch.fx.Node) -> bool:
     """True for values an offload moved to host memory (`meta["fxmem"]["host"]`): not device bytes."""
-    return bool(node.meta.get("fxmem", {}).get("host"))
+    return bool(tag(node, HOST))
 
 
 def storages_of(node: torch.fx.Node) -> dict[Hashable, int]:

@@ -21,7 +21,7 @@ def eager_peak_within(module: torch.nn.Module, args: tuple, kwargs: dict, budget
                       resident: int = 0, measured: Callable[[], int | None] | None = None) -> int | None:
     """PyTorch eager's peak for the step (with `resident` bytes, the optimizer's state) when `budget`
     covers it; None without a budget, above it, or where the meter cannot run. `measured`: the step's
-    peak as measured already (`fxmem.trace.loss.Step.eager_peak`), instead of measuring it here."""
+    peak as measured already (`fxmem.trace.step.Step.eager_peak`), instead of measuring it here."""
     if budget is None:
         return None
     peak = measured() if measured is not None else eager_peak_bytes(module, args, kwargs)

@@ -36,7 +36,7 @@ from fxmem.run.inductor.step import InductorRunner
 from fxmem.run.joint_cache import KeepingPlanner, Uncompiled, joint_of, kept, key_of, partitioning
 from fxmem.error_boundary import public
 from fxmem.errors import TraceError
-from fxmem.trace.loss import Step, planned_step
+from fxmem.trace.step import Step, planned_step
 from fxmem.trace.meta_device import planned_on
 from fxmem.passes.dropout_backward import eager_dropout_backward
 from fxmem.planner.plan import Plan, graph_fingerprint
@@ -45,6 +45,7 @@ from fxmem.planner.policies import PolicyError
 from fxmem.progress import planning
 from fxmem.planner.report import short_signature
 from fxmem.trace.wrapper import ModelWrapper
+from fxmem.meta_keys import CAPTURE, tag
 
 log = logging.getLogger("fxmem")
 ANY_BUDGET = 1 << 62  # the "speed" policy runs PyTorch's eager step wherever it holds less than fxmem's keep-all
@@ -181,7 +182,7 @@ def traced_joint(model: torch.nn.Module, gm: torch.fx.GraphModule, args: Sequenc
 
 def captured_as(request: PlanRequest, gm: torch.fx.GraphModule) -> PlanRequest:
     """`request`, saying the step was captured as one graph and by which tracer."""
-    tracer = gm.meta.get("fxmem", {}).get("capture", "")
+    tracer = tag(gm, CAPTURE, "")
     return dataclasses.replace(request, capture=f"one graph ({tracer})" if tracer else "one graph")
 
 
@@ -206,7 +207,7 @@ class OptimizedModule(ModelWrapper):
     It shares `_parameters`, `_buffers` and `_modules` with the model, so `state_dict` keys are
     unchanged and an optimizer over either module's parameters trains both. `make_request(module, args,
     kwargs)` says what to plan for an input signature seen for the first time; `module` is the model, or
-    the model with its own `loss` output as the step's loss (`fxmem.trace.loss.planned_step`, whose
+    the model with its own `loss` output as the step's loss (`fxmem.trace.step.planned_step`, whose
     `model_loss`, `keep_outputs` and `measure` are `loss_options`; None: the model's outputs as they are).
     A step is planned per input signature and per gradients resident at its start (accumulating
     micro-batches), except with a `fixed_plan` (pipeline stages and device regions, whose plans count the

@@ -19,7 +19,7 @@ from fxmem.trace.capture import example_args
 from fxmem.run.engine import plan_step, signature_of
 from fxmem.error_boundary import public
 from fxmem.errors import fmt_bytes
-from fxmem.trace.loss import step_module
+from fxmem.trace.step import step_module
 from fxmem.trace.meta_device import planned_on
 from fxmem.price.optimizer_state import model_state_bytes, unique_bytes
 from fxmem.planner.planner import PlanRequest
@@ -139,7 +139,7 @@ def _policies(model: torch.nn.Module, args: tuple, kwargs: dict, optimizer: Any,
     """Each named policy's plan (and the budget's) for the step as `fxmem.plan` makes it."""
     from fxmem.api import check_time_limit, device_spec, make_request
     from fxmem.budget import budget_bytes
-    from fxmem.trace.loss import planned_step
+    from fxmem.trace.step import planned_step
     from fxmem.tools.policy_table import compare_policies
 
     step = planned_step(model, args, kwargs, True, True)

@@ -69,8 +69,8 @@ def compare_policies(model: torch.nn.Module, args: tuple, kwargs: dict, request:
                      policies: Sequence[str] = POLICIES,
                      eager_peak: Callable[[], int | None] | None = None) -> tuple[PolicyRow, ...]:
     """The plan of each policy (and of `request.budget_bytes`, when set) for one step of `model`
-    (already the step's module: `fxmem.trace.loss.planned_step`), from one trace on fake tensors.
-    `eager_peak`: PyTorch eager's peak for the step (`fxmem.trace.loss.Step.eager_peak`), measured
+    (already the step's module: `fxmem.trace.step.planned_step`), from one trace on fake tensors.
+    `eager_peak`: PyTorch eager's peak for the step (`fxmem.trace.step.Step.eager_peak`), measured
     at most once here otherwise."""
     from fxmem.run.engine import ANY_BUDGET, traced_joint
 

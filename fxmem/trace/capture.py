@@ -1,13 +1,12 @@
 """Capture: a model and example inputs -> a torch.fx GraphModule.
 
 Tries `torch.fx.symbolic_trace` first and `torch.export` (non-strict) where it fails.
-Writes `meta["val"]` (a FakeTensor) on every node and `gm.meta["fxmem"]["capture"]`
+Writes `meta["val"]` (a FakeTensor) on every node and `tag(gm, CAPTURE)`
 (the method used); no real memory is used. Failures become a `TraceError` that names the construct.
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import os
 import random
@@ -22,10 +21,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from fxmem.price.cost import module_path
-from fxmem.error_boundary import public
+from fxmem.trace.module_path import module_path
+from fxmem.error_boundary import is_library_file, public
 from fxmem.errors import FxmemError, TraceError
 from fxmem.trace.torch_output import held_output
+from fxmem.meta_keys import CAPTURE, INPUT_NAMES, tag, tags
 
 METHODS = ("auto", "symbolic_trace", "export")
 
@@ -78,7 +78,7 @@ def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, method: str) -> 
     if method in ("auto", "symbolic_trace"):
         try:
             gm = _symbolic_trace(model, args, kwargs)
-            gm.meta.setdefault("fxmem", {})["capture"] = "symbolic_trace"
+            tags(gm)[CAPTURE] = "symbolic_trace"
             return gm
         except TraceError:
             if method == "symbolic_trace":
@@ -95,7 +95,7 @@ def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, method: str) -> 
         raise
     except Exception as exc:
         raise _explain(exc, first_error) from exc
-    gm.meta.setdefault("fxmem", {})["capture"] = "export"
+    tags(gm)[CAPTURE] = "export"
     return gm
 
 
@@ -115,7 +115,7 @@ def _symbolic_trace(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.
     if set(names) - set(bound.arguments):
         raise ValueError(f"traced placeholders {names} do not match forward's arguments")
     flat = [bound.arguments[name] for name in names]
-    gm.meta["fxmem_input_names"] = names
+    tags(gm)[INPUT_NAMES] = names
     _propagate_fake(gm, flat)
     _check_same_outputs(model, gm, args, kwargs)
     return gm
@@ -141,7 +141,7 @@ def flat_graph_inputs(gm: torch.fx.GraphModule, args: Sequence[Any], kwargs: dic
         from torch.export._tree_utils import reorder_kwargs
 
         return pytree.tree_leaves((tuple(args), reorder_kwargs(dict(kwargs), info.in_spec)))
-    names = gm.meta.get("fxmem_input_names")
+    names = tag(gm, INPUT_NAMES)
     if names is None:
         names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
     signature = inspect.signature(gm.forward)
@@ -261,24 +261,6 @@ def _explain(exc: Exception, first: Exception | None = None) -> TraceError:
         "third-party calls). Torch's full error is this error's __cause__; fxmem.capture(model, example_inputs, "
         "method='export') (or method='symbolic_trace') tries one tracer alone",
         str(exc))
-
-
-@functools.lru_cache(maxsize=1)
-def _library_dirs() -> tuple[str, ...]:
-    """Real paths (with a trailing separator) of the folders torch and fxmem's packages are
-    loaded from: fxmem, and fxmem.passes and fxmem.models, which live in folders of their own."""
-    import fxmem
-    import fxmem.models
-    import fxmem.passes
-
-    folders = [d for package in (torch, fxmem, fxmem.passes, fxmem.models) for d in package.__path__]
-    return tuple(sorted({os.path.join(os.path.realpath(d), "") for d in folders}))
-
-
-def is_library_file(filename: str) -> bool:
-    """True for a source file of torch or of fxmem itself, by where the packages are loaded from
-    (not by folder names: a user's own code may live in a folder called fxmem or torch)."""
-    return os.path.realpath(filename).startswith(_library_dirs())
 
 
 def _innermost_user_frame(exc: BaseException) -> str:

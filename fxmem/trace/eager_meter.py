@@ -19,14 +19,14 @@ from torch._dynamo.eval_frame import _set_in_optimized_module
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from fxmem.measure import loss_of
+from fxmem.trace.loss import loss_of
 
 log = logging.getLogger("fxmem")
 
 
 def eager_peak_bytes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
                      read: Callable[[Any], Any] | None = None) -> int | None:
-    """Peak bytes of one eager training step (forward, `fxmem.measure.loss_of`, backward, the outputs
+    """Peak bytes of one eager training step (forward, `fxmem.trace.loss.loss_of`, backward, the outputs
     held until backward ends) of `model` on `args`/`kwargs`, as MemTracker sees it on fake tensors.
     `read(outputs)`, called on the model's fake outputs before backward, returns the outputs the step
     holds instead (a wrapper's forward that detaches some)."""

@@ -1,30 +1,20 @@
-"""Where the training step's loss is, for a model planned without `loss_fn`.
-
-Reads the model's outputs from one forward on fake tensors (nothing real is computed; the model's
-buffers are untouched); with `measure`, from PyTorch eager's whole step on fakes, whose peak
-(`fxmem.trace.eager_meter`) the planner compares with its budget: the model runs on fakes once, not twice.
-A model that returns its scalar loss is planned as it is; one whose output has
-a differentiable scalar `loss` field (transformers' `labels=`, a dict, a dataclass) is planned as
+"""Where the training step's loss is: the one rule (`is_loss`, `loss_field`, `loss_of`) and what a model's
+outputs say of it (`classify`). A model that returns its scalar loss is planned as it is; one whose output
+has a differentiable scalar `loss` field (transformers' `labels=`, a dict, a dataclass) is planned as
 `OwnLossStep`, which returns the same output with every other field detached, so backward starts at the
-loss and the logits get no zero gradient. Any other model leaves its loss outside the plan: one
-`UserWarning` per model names `loss_fn=` and the bytes that leave the step. Writes nothing else.
+loss and the logits get no zero gradient. Reads outputs only; writes nothing.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import warnings
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
-from fxmem.trace.call_check import check_call, outputs_on_fakes
-from fxmem.trace.eager_meter import eager_peak_bytes
-from fxmem.errors import InfeasibleBudgetError, fmt_bytes
+from fxmem.errors import fmt_bytes
 from fxmem.trace.wrapper import ModelWrapper
 
 log = logging.getLogger("fxmem")
@@ -33,7 +23,6 @@ LOSS_FN = "loss_fn (in the plan)"
 DROP_OUTPUTS = "keep_outputs=False drops them"
 RETURNED = "the model's output (in the plan)"
 OUTSIDE = "outside the plan"
-_warned: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
 @dataclass(frozen=True)
@@ -62,24 +51,38 @@ class Boundary:
         return ""
 
 
-def _is_loss(value: Any) -> bool:
+def is_loss(value: Any) -> bool:
+    """The one rule for a loss: a floating-point tensor of one element with a gradient."""
     return isinstance(value, torch.Tensor) and value.numel() == 1 and value.requires_grad \
         and value.is_floating_point()
 
 
-def _loss_field(out: Any) -> Any:
-    """The output's `loss` field (a mapping's key or an attribute), or None."""
+def loss_field(out: Any) -> Any:
+    """The output's `loss` field (a mapping's key or a dataclass's attribute, as transformers' outputs
+    have), or None."""
     if isinstance(out, dict):
         return out.get("loss")
     return getattr(out, "loss", None) if dataclasses.is_dataclass(out) else None
 
 
+def loss_of(out: Any) -> torch.Tensor:
+    """The scalar to call backward on: the output itself or its `loss` field where `is_loss` holds, else the
+    sum of its floating-point tensors with gradients."""
+    if is_loss(out):
+        return out
+    loss = loss_field(out)
+    if is_loss(loss):
+        return loss
+    return sum(t.float().sum() for t in pytree.tree_leaves(out)
+               if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad)
+
+
 def classify(out: Any) -> Boundary:
     """Where the loss is, from what the model returned."""
-    if _is_loss(out):
+    if is_loss(out):
         return Boundary("returned")
-    loss = _loss_field(out)
-    if _is_loss(loss):
+    loss = loss_field(out)
+    if is_loss(loss):
         return Boundary("field", other_bytes=_bytes(out, lambda t: t.untyped_storage() is not loss.untyped_storage()))
     outside = _bytes(out, lambda t: t.requires_grad)
     return Boundary("outside", outside) if outside else Boundary("returned")
@@ -92,15 +95,6 @@ def _bytes(out: Any, counted: Any) -> int:
         if isinstance(leaf, torch.Tensor) and counted(leaf):
             storages[id(leaf.untyped_storage())] = leaf.untyped_storage().nbytes()
     return sum(storages.values())
-
-
-def find_boundary(model: torch.nn.Module, args: tuple, kwargs: dict) -> Boundary:
-    """Run `model` once on fake stand-ins for its parameters, buffers and inputs and classify its output."""
-    try:
-        return classify(outputs_on_fakes(model, args, kwargs))
-    except Exception as exc:  # the planner will say what fails; here only the loss's place is unknown
-        log.info("fxmem: the model's outputs could not be read on fake tensors: %s", exc)
-        return Boundary("unknown")
 
 
 def detached_except_loss(out: Any, keep_outputs: bool = True) -> Any:
@@ -133,92 +127,3 @@ class OwnLossStep(ModelWrapper):
         return getattr(self.fxmem_model, "display_name", type(self.fxmem_model).__qualname__)
 
 
-class Step:
-    """The module to plan for a call (`module`), the plan table's "loss" row (`loss`) and PyTorch eager's
-    peak for that module's step (`eager_peak()`: measured with the outputs' reading, else when first asked).
-    `held_bytes`: the outputs beside the loss that are returned, so held to the step's end, and that
-    `keep_outputs=False` would drop (the logits of a language model called with `labels=`)."""
-
-    _UNMEASURED = object()
-
-    def __init__(self, module: torch.nn.Module, loss: str, args: tuple, kwargs: dict,
-                 eager_peak: Any = _UNMEASURED, held_bytes: int = 0):
-        self.module, self.loss, self._args, self._kwargs, self._peak = module, loss, args, kwargs, eager_peak
-        self.held_bytes = held_bytes
-
-    def eager_peak(self) -> int | None:
-        """`fxmem.trace.eager_meter.eager_peak_bytes` of the step (None where it cannot run on fakes), measured once."""
-        if self._peak is Step._UNMEASURED:
-            self._peak = eager_peak_bytes(self.module, self._args, self._kwargs)
-        return self._peak
-
-    @contextlib.contextmanager
-    def naming_held_outputs(self):
-        """An InfeasibleBudgetError raised inside also names `keep_outputs=False`, where outputs are held."""
-        try:
-            yield
-        except InfeasibleBudgetError as exc:
-            if self.held_bytes and not getattr(exc, "names_held_outputs", False):
-                exc.names_held_outputs = True
-                exc.args = (f"{exc.args[0]}; the model's outputs beside its loss ({fmt_bytes(self.held_bytes)}) are "
-                            "returned, so held to the step's end: keep_outputs=False drops them (the loss alone "
-                            "is returned) and lets the loss be computed in chunks",)
-            raise
-
-
-def step_module(model: torch.nn.Module, args: tuple, kwargs: dict, model_loss: bool = True,
-                keep_outputs: bool = True) -> tuple[torch.nn.Module, str]:
-    """`planned_step`'s module and "loss" row, the outputs read from a forward on fakes alone."""
-    step = planned_step(model, args, kwargs, model_loss, keep_outputs, measure=False)
-    return step.module, step.loss
-
-
-def planned_step(model: torch.nn.Module, args: tuple, kwargs: dict, model_loss: bool = True,
-                 keep_outputs: bool = True, measure: bool = True) -> Step:
-    """The step to plan for a call `model(*args, **kwargs)` (refused in one line where the inputs do not
-    fit: `fxmem.trace.call_check`): the module, the plan table's "loss" row and eager's peak. With
-    `model_loss` a `loss` field becomes the step's loss (logged once), the other outputs returned
-    detached with `keep_outputs`; outputs with gradients and no scalar loss warn once per model.
-    With `measure` the outputs are read in PyTorch eager's step on fakes, which measures its peak too."""
-    check_call(model, args, kwargs)
-    if getattr(model, "fxmem_loss_fn", None) is not None:
-        return Step(model, LOSS_FN, args, kwargs)
-    if measure:
-        boundary, peak = _read_in_eager_step(model, args, kwargs, model_loss, keep_outputs)
-    else:
-        boundary, peak = find_boundary(model, args, kwargs), Step._UNMEASURED
-    if boundary.kind == "field" and model_loss:
-        log.info("fxmem: planning %s with its `loss` output as the step's loss; its other outputs are "
-                 "returned detached (model_loss=False to backpropagate through them)", type(model).__qualname__)
-        return Step(OwnLossStep(model, keep_outputs), boundary.text(keep_outputs), args, kwargs, peak,
-                    boundary.other_bytes if keep_outputs else 0)
-    if not keep_outputs and boundary.kind != "unknown":
-        raise ValueError("keep_outputs=False goes with loss_fn= or a model whose output has a scalar `loss` "
-                         "(model_loss=True)")
-    if boundary.kind == "field":
-        return Step(model, "the model's outputs, every one with a gradient (model_loss=False)", args, kwargs, peak)
-    if boundary.kind == "outside" and model not in _warned:
-        _warned.add(model)
-        warnings.warn(
-            f"fxmem: {type(model).__qualname__} returns no scalar loss, so its loss is computed outside the plan: "
-            f"{fmt_bytes(boundary.outside_bytes)} of outputs with gradients leave the step after forward, and what "
-            "the loss makes of them (and their gradients) is not in the budget. Pass loss_fn=(outputs, target) -> "
-            "loss and call the module with target= to plan the loss too.", UserWarning, stacklevel=4)
-    return Step(model, boundary.text(), args, kwargs, peak)
-
-
-def _read_in_eager_step(model: torch.nn.Module, args: tuple, kwargs: dict, model_loss: bool,
-                        keep_outputs: bool) -> tuple[Boundary, int | None]:
-    """The model's outputs classified, and the peak of the step it is planned as (its outputs as
-    `OwnLossStep` returns them, for a `loss` field), from one eager step on fakes."""
-    seen = []
-
-    def read(out: Any) -> Any:
-        seen.append(classify(out))
-        return detached_except_loss(out, keep_outputs) if seen[0].kind == "field" and model_loss else out
-
-    peak = eager_peak_bytes(model, args, kwargs, read)
-    if not seen:  # the planner will say what fails; here only the loss's place is unknown
-        log.info("fxmem: the model's outputs could not be read on fake tensors")
-        return Boundary("unknown"), None
-    return seen[0], peak

@@ -127,7 +127,7 @@ def test_library_files_are_matched_by_package_folder_not_by_folder_name(tmp_path
 
     import fxmem.models.gpt
     import fxmem.passes.recompute
-    from fxmem.trace.capture import is_library_file
+    from fxmem.error_boundary import is_library_file
 
     capture_module = importlib.import_module("fxmem.trace.capture")
 

@@ -13,7 +13,8 @@ import torch
 import fxmem
 from fxmem.errors import InfeasibleBudgetError
 from fxmem.trace.eager_meter import eager_peak_bytes
-from fxmem.trace.loss import OUTSIDE, classify, find_boundary, planned_step
+from fxmem.trace.loss import OUTSIDE, classify
+from fxmem.trace.step import find_boundary, planned_step
 from fxmem.measure import measure_peak_bytes
 from tests.conftest import GIB
 

@@ -23,10 +23,11 @@ from typing import Any, Sequence
 
 import torch
 
-from fxmem.backend import compile_graph, ledger_for, open_ledger, plans_for
-from fxmem.budget import budget_bytes
+from fxmem.error_boundary import for_dynamo
+from fxmem.run.dynamo.compile import CompileSettings, compile_graph, ledger_for, ledger_of, open_ledger, \
+    plans_for, recording_planner, reset
 from fxmem.trace.capture import untouched
-from fxmem.errors import GIB, FxmemError, InfeasibleBudgetError, TraceError
+from fxmem.errors import FxmemError, InfeasibleBudgetError, TraceError
 from fxmem.run.dynamo.shared_budget import ProbePlanner, shares_for
 from fxmem.run.dynamo.layer_loops import every_layer
 from fxmem.run.dynamo.ledger import Ledger, survey_step
@@ -37,7 +38,7 @@ from fxmem.planner.resident import refusal_with_resident, resident_parts, with_r
 log = logging.getLogger("fxmem")
 
 
-def probe_step(model: torch.nn.Module, args: Sequence[Any], kwargs: dict, options: dict, survey: list,
+def probe_step(model: torch.nn.Module, args: Sequence[Any], kwargs: dict, settings: CompileSettings, survey: list,
                model_name: str) -> list[ProbePlanner]:
     """Run one forward through Dynamo with the fxmem backend's requests, keep-all plans only: the
     planner of each graph, in the order the step runs them."""
@@ -48,12 +49,24 @@ def probe_step(model: torch.nn.Module, args: Sequence[Any], kwargs: dict, option
         def planner_for(request, record):
             planners.append(ProbePlanner(dataclasses.replace(request, budget_bytes=None), ledger, record))
             return planners[-1]
-        return compile_graph(gm, example_inputs, options, ledger, planner_for, count_saved=False)
+        return compile_graph(gm, example_inputs, settings, ledger, planner_for, count_saved=False)
 
     with untouched(model):
         out = torch.compile(model, backend=backend)(*args, **kwargs)
     del out
     return [p for p in planners if p.plan is not None]  # graphs without a backward are not planned
+
+
+def _backend(settings: CompileSettings) -> Any:
+    """The `torch.compile` backend of one step: each graph planned under `settings`, its plan recorded in
+    the step's ledger (known by `settings`), errors as the `fxmem` backend raises them."""
+    @for_dynamo
+    def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        ledger = ledger_of(settings, settings)
+        return compile_graph(gm, example_inputs, settings, ledger, recording_planner(ledger, settings))
+
+    backend.reset = reset  # type: ignore[attr-defined]  # called by torch._dynamo.reset()
+    return backend
 
 
 def eager_random():
@@ -75,11 +88,10 @@ class DynamoStep:
         self.budget, self.gradients = request.budget_bytes, request.resident_gradients
         if self.resident and self.budget <= sum(self.resident.values()):
             raise InfeasibleBudgetError(self.budget, sum(self.resident.values()) + 1, self.resident)
-        self.options = {"budget_gb": (self.budget - sum(self.resident.values())) / GIB, "inner": request.inner,
-                        "device": request.device,
-                        "time_limit_s": request.time_limit_s, "solver": request.solver}
+        self.options = CompileSettings(self.budget - sum(self.resident.values()), request.inner,
+                                       request.time_limit_s, device=request.device, solver=request.solver)
         self.reason, self.warned, self.model, self.name = reason, False, model, request.model
-        self.compiled = torch.compile(model, backend="fxmem", options=self.options)
+        self.compiled = torch.compile(model, backend=_backend(self.options))
         log.info("fxmem: %s could not be captured as one graph (%s); planning its graphs through Dynamo",
                  request.model, reason.construct)
 
@@ -105,12 +117,12 @@ class DynamoStep:
             for probe in probes:
                 probe.runs = probe.record.calls + added.get(frozenset(probe.record.grads), 0)
             try:
-                shares = shares_for(probes, budget_bytes(self.options["budget_gb"]))
+                shares = shares_for(probes, self.options.budget_bytes)
             except InfeasibleBudgetError as exc:
                 if not self.resident:
                     raise
                 raise refusal_with_resident(exc, self.resident, self.budget) from None
-            ledger = open_ledger(self.options, self.model, survey, self.name, shares,
+            ledger = open_ledger(self.options, self.options, self.model, survey, self.name, shares,
                                  {p.record.index: p.runs for p in probes if p.runs > 1})
         before = [r.calls for r in ledger.records] if ledger is not None else []
         try:

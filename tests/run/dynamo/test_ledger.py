@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxmem
-from fxmem.backend import ledger_for
+from fxmem.run.dynamo.compile import ledger_for
 from fxmem.measure import measure_peak_bytes
 from tests.conftest import GIB, step
 from tests.run.dynamo.test_step import _assert_trains_like, _fresh_dynamo  # noqa: F401  (the autouse fixture)

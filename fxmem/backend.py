@@ -26,8 +26,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from fxmem.error_boundary import for_dynamo
-from fxmem.run.dynamo.compile import compile_graph, has_cxx_compiler, ledger_of, plan_path, plans_for, \
-    recording_planner, reset, settings_of
+from fxmem.run.dynamo.compile import compile_graph, has_cxx_compiler, ledger_of, plans_for, reset, settings_of
+from fxmem.run.planners import plan_path, recording_planner
 
 __all__ = ["fxmem_backend", "plans_for", "plan_path", "has_cxx_compiler"]
 

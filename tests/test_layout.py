@@ -79,6 +79,67 @@ def test_imports_point_one_way():
     assert list(nx.simple_cycles(graph)) == []
 
 
+MAX_FLOORS = 12  # floors of imports, a folder counted as one room (scripts/ too)
+MAX_TOP_MODULES = 15  # modules directly in fxmem/: the doors and the ground they share
+
+
+def _room(name: str) -> str:
+    """The room a module stands in: its folder under fxmem/ (`fxmem.price`), or the module itself at the top."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 else name
+
+
+def _rooms():
+    import networkx as nx
+
+    mods = _modules()
+    graph = nx.DiGraph()
+    graph.add_nodes_from(_room(n) for n in mods)
+    for name, path in mods.items():
+        graph.add_edges_from((_room(name), _room(o)) for o in _imports(name, path) if o in mods and _room(o) != _room(name))
+    for path in (ROOT / "scripts").glob("*.py"):
+        graph.add_edges_from(("scripts", _room(o)) for o in _imports("scripts." + path.stem, path) if o in mods)
+    return graph
+
+
+def test_folders_import_one_way():
+    """No two folders (or top-level modules) import each other, even through others: no import points up."""
+    import networkx as nx
+
+    assert list(nx.simple_cycles(_rooms())) == []
+
+
+def test_floors_of_imports():
+    """Read bottom-up, at most MAX_FLOORS floors, the doors on top and the torch-free solvers near the ground."""
+    import networkx as nx
+
+    graph, floor = _rooms(), {}
+    for room in reversed(list(nx.topological_sort(graph))):
+        floor[room] = 1 + max((floor[o] for o in graph.successors(room)), default=0)
+    assert max(floor.values()) <= MAX_FLOORS, sorted(floor.items(), key=lambda kv: -kv[1])
+    assert floor["fxmem.solve"] < floor["fxmem.trace"] < floor["fxmem.price"] < floor["fxmem.passes"] \
+        < floor["fxmem.planner"] < floor["fxmem.run"] < floor["fxmem.api"]
+
+
+def test_the_top_of_the_package_keeps_its_doors():
+    top = sorted(p.name for p in (ROOT / "fxmem").glob("*.py"))
+    assert len(top) <= MAX_TOP_MODULES, top
+    assert {"api.py", "backend.py", "fsdp.py", "measure.py", "errors.py"} <= set(top)
+
+
+def test_nothing_inside_imports_the_compile_door():
+    """`fxmem.backend` is what `torch.compile(backend="fxmem")` enters by; the engine shares what lies below it."""
+    mods = _modules()
+    assert sorted(n for n, path in mods.items() if "fxmem.backend" in _imports(n, path)) == []
+
+
+def test_tests_mirror_the_folders():
+    folders = {p.name for p in (ROOT / "fxmem").iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    tests = {p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert tests <= folders | {"passes"}, tests - folders
+    assert {"trace", "price", "solve", "planner", "run", "tools", "cli", "passes"} <= tests
+
+
 def test_files_stay_small():
     files = [p for folder in (*PACKAGES, "scripts", "tests") for p in (ROOT / folder).rglob("*.py")]
     long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES}

@@ -33,7 +33,8 @@ from fxmem.planner.attention_chunks import plan_with_rewrites, rewrites_planned
 from fxmem.trace.capture import capture, data_dependent_error, describe_input, flat_graph_inputs, structure_outputs
 from fxmem.run.eager_step import EagerStep, eager_peak_within, eager_plan
 from fxmem.run.inductor.step import InductorRunner
-from fxmem.run.joint_cache import KeepingPlanner, Uncompiled, joint_of, kept, key_of, partitioning
+from fxmem.run.joint_cache import Uncompiled, joint_of, kept, key_of, partitioning
+from fxmem.run.planners import KeepingPlanner
 from fxmem.error_boundary import public
 from fxmem.errors import TraceError
 from fxmem.trace.step import Step, planned_step

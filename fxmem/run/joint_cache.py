@@ -14,7 +14,7 @@ are in the captured code), training mode, leaf module setting (a dropout's p) or
 graph has other code) traces again.
 
 The engine (`fxmem.run.engine._planned`) plans a step on a kept joint where there is one, and otherwise
-traces it with `KeepingPlanner`, which keeps the joint as AOTAutograd gives it; a step planned on a kept
+traces it with `fxmem.run.planners.KeepingPlanner`, which keeps the joint as AOTAutograd gives it; a step planned on a kept
 joint is compiled at its first call, where `KeepingPlanner` applies the plan it made. Reads what it keys
 on; keeps at most `MAX_JOINTS` joints, least recently used first out. Every caller gets its own copy
 (nodes, their metadata dictionaries one level deep, the module's metadata), which the planner and its
@@ -26,7 +26,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
-import dataclasses
 import threading
 import warnings
 from typing import Any, Callable, Sequence
@@ -86,20 +85,6 @@ def joint_of(key: tuple, trace: Callable[[Callable[..., Any]], Any]) -> tuple[to
     except _Traced as traced:
         keep(key, traced.joint, traced.num_fwd_outputs)
         return traced.joint, traced.num_fwd_outputs
-
-
-class KeepingPlanner(Planner):
-    """The planner, keeping the joint graph AOTAutograd gives it as traced (with `key`), and applying the
-    plan it made when called again: planned on a joint kept, then traced when its step first runs."""
-
-    key: tuple | None = None
-
-    def __call__(self, joint: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kwargs: Any):
-        if self.plan is not None:  # the plan as made (and as `plan_with_rewrites` states its chunks)
-            self.request = dataclasses.replace(self.request, plan=self.plan)
-        elif self.key is not None:
-            keep(self.key, joint, num_fwd_outputs)
-        return super().__call__(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
 
 
 class Uncompiled:

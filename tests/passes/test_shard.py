@@ -41,7 +41,7 @@ def test_stage_modules_chain_to_the_model_with_its_own_parameters():
         own.setdefault(id(p), set()).add(name)
     out = (idx, targets)
     for k, stage in enumerate(stages):
-        names = stage.meta["fxmem_param_names"]
+        names = stage.meta["fxmem"]["param_names"]
         for name, p in stage.named_parameters(remove_duplicate=False):
             assert name in own[id(p)] and names[name] == name  # the model's tensors, under their own names
         out = stage(*out) if isinstance(out, tuple) else stage(out)

@@ -22,8 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fxmem.budget import budget_bytes
 from fxmem.trace.capture import describe_input
 from fxmem.price.cost import DeviceSpec, preset_for
-from fxmem.errors import GIB, InfeasibleBudgetError, TraceError
-from fxmem.run.dynamo.shared_budget import least_plan, saved_cap
+from fxmem.errors import TraceError
 from fxmem.run.inductor.planning import FusedPlanning, compile_with_partitioner
 from fxmem.run.inductor.step import INNERS, has_cxx_compiler, replays_random
 from fxmem.run.dynamo.ledger import GraphRecord, Ledger
@@ -48,7 +47,6 @@ class CompileSettings:
     solver: str = "auto"
 
 
-CAP_TRIES, CAP_STEP_BYTES = 4, 4096  # plans at tightened budgets before a graph keeps its least plan
 _LEDGERS: dict[int, tuple[Any, Ledger]] = {}
 _LOCK = threading.Lock()
 
@@ -119,80 +117,9 @@ def reset() -> None:
         _LEDGERS.clear()
 
 
-def recording_planner(ledger: Ledger, settings: CompileSettings
-                      ) -> Callable[[PlanRequest, GraphRecord], Planner]:
-    """Each graph's planner for a compile call: its plan recorded in `ledger` (and written, and printed)."""
-    return lambda request, record: RecordingPlanner(request, ledger, record, settings)
-
-
 def _frame_id() -> Any:
     cid = torch._guards.CompileContext.current_compile_id()
     return getattr(cid, "frame_id", None) if cid is not None else None
-
-
-def plan_path(plan_out: str | os.PathLike, index: int) -> str:
-    """Where graph `index`'s plan is written: `plan.json` -> `plan.0.json`, `plan.1.json`, ..."""
-    stem, ext = os.path.splitext(os.fspath(plan_out))
-    return f"{stem}.{index}{ext or '.json'}"
-
-
-class RecordingPlanner(Planner):
-    """The fxmem Planner, recording its plan in the ledger."""
-
-    def __init__(self, request: PlanRequest, ledger: Ledger, record: GraphRecord, settings: CompileSettings):
-        super().__init__(request)
-        self.ledger, self.record, self.settings = ledger, record, settings
-
-    def _make_plan(self, joint, fingerprint):
-        """The plan for the budget; where the step's graphs share it (`fxmem.run.dynamo.shared_budget`), one that
-        keeps no more for backward than leaves every later graph room for its least plan (the budget
-        tightened until it does, else this graph's least plan)."""
-        shares = self.ledger.shares
-        index = self.ledger.position(self.record)  # a recompiled frame: the graph it replaces
-        if not shares or index >= len(shares):
-            return super()._make_plan(joint, fingerprint)
-        budget, earlier = self.request.budget_bytes, self.ledger.earlier_saved(self.record)
-        least = shares[index]
-        if least.plan.fingerprint != fingerprint:  # recompiled (its inputs in another order): its own least
-            plan, _ = least_plan(self, joint, fingerprint)
-            least = dataclasses.replace(least, plan=plan, peak=plan.predicted_peak_bytes - earlier,
-                                        saved=plan.saved_bytes)
-        if least.runs > 1:  # a loop's graph, run once per layer: each run at its least (fxmem.run.dynamo.shared_budget)
-            return dataclasses.replace(least.plan, budget_bytes=budget, capture=self.request.capture,
-                                       predicted_peak_bytes=least.peak + earlier + (least.runs - 1) * least.saved)
-        cap = saved_cap(shares, index, budget, earlier)
-        asked, target = self.request, budget
-        try:
-            for _ in range(CAP_TRIES):
-                self.request = dataclasses.replace(asked, budget_bytes=target)
-                try:
-                    plan = super()._make_plan(joint, fingerprint)
-                except InfeasibleBudgetError:
-                    break
-                if cap is None or plan.saved_bytes <= cap:
-                    return dataclasses.replace(plan, budget_bytes=budget)
-                target -= max(plan.saved_bytes - cap, CAP_STEP_BYTES)
-        finally:
-            self.request = asked
-        log.info("fxmem: %s keeps its least plan, so that the graphs after it fit", asked.capture)
-        return dataclasses.replace(least.plan, budget_bytes=budget, predicted_peak_bytes=least.peak + earlier,
-                                   capture=asked.capture)
-
-    def __call__(self, joint, joint_inputs, **kwargs):
-        fw, bw = super().__call__(joint, joint_inputs, **kwargs)
-        plan = self.plan
-        self.record.plan = plan
-        self.ledger.records.append(self.record)
-        if self.settings.plan_out:
-            self.record.path = plan_path(self.settings.plan_out, self.record.index)
-            plan.save(self.record.path)
-        if self.settings.verbose:
-            forward, backward = self.record.held
-            print(f"fxmem: graph {self.record.index}, budget {self.ledger.budget_bytes / GIB:.4f} GiB for the step"
-                  + (f"; the rest of the step holds {forward / GIB:.4f} GiB during its forward, "
-                     f"{backward / GIB:.4f} GiB during its backward" if backward else ""))
-            print(plan.table())
-        return fw, bw
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], settings: CompileSettings, ledger: Ledger,

@@ -19,11 +19,10 @@ earlier runs keep; it keeps its least plan, so that every run of it fits.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from fxmem.errors import InfeasibleBudgetError, fmt_bytes, gb_at_least
-from fxmem.run.dynamo.ledger import GraphRecord, Ledger
-from fxmem.planner.plan import Plan, graph_fingerprint
+from fxmem.planner.plan import Plan
 from fxmem.planner.margin import Margin, margin_for
 from fxmem.planner.planner import Planner
 
@@ -41,29 +40,6 @@ class GraphShare:
     plan: Plan
     lower_bound: int
     runs: int = 1  # calls of this graph in the step that runs every layer (`fxmem.run.dynamo.layer_loops`)
-
-
-class ProbePlanner(Planner):
-    """The planner of one graph of the probe: keeps its joint graph and keep-all plan, so its least
-    is searched only when keeping everything does not fit the step."""
-
-    def __init__(self, request, ledger: Ledger, record: GraphRecord):
-        super().__init__(request)
-        self.ledger, self.record = ledger, record
-        self.runs = 1  # set by the probe: calls of this graph in the step that runs every layer
-
-    def __call__(self, joint, joint_inputs, *, num_fwd_outputs: int, **kwargs):
-        fw, bw = super().__call__(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
-        self.joint, self.fingerprint = joint, graph_fingerprint(joint)
-        self.record.plan = self.plan
-        self.ledger.records.append(self.record)
-        return fw, bw
-
-    def least(self) -> GraphShare:
-        """This graph's least plan: the least budget the planner names, then the plan made for it."""
-        plan, bound = least_plan(self, self.joint, self.fingerprint)
-        return GraphShare(self.record.index, self.request.capture, plan.predicted_peak_bytes, plan.saved_bytes,
-                          plan, bound, self.runs)
 
 
 def least_plan(planner: Planner, joint, fingerprint: str) -> tuple[Plan, int]:
@@ -94,7 +70,7 @@ def need(peaks: Sequence[int], saved: Sequence[int], runs: Sequence[int] | None 
     return best, worst
 
 
-def shares_for(planners: Sequence[ProbePlanner], budget: int) -> list[GraphShare] | None:
+def shares_for(planners: Sequence[Any], budget: int) -> list[GraphShare] | None:
     """None when every graph keeping everything fits `budget` (nothing to share); otherwise the graphs
     at their least, after checking the budget reaches what they need together."""
     eager = [p.plan for p in planners]

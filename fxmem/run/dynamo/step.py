@@ -25,10 +25,11 @@ import torch
 
 from fxmem.error_boundary import for_dynamo
 from fxmem.run.dynamo.compile import CompileSettings, compile_graph, ledger_for, ledger_of, open_ledger, \
-    plans_for, recording_planner, reset
+    plans_for, reset
 from fxmem.trace.capture import untouched
 from fxmem.errors import FxmemError, InfeasibleBudgetError, TraceError
-from fxmem.run.dynamo.shared_budget import ProbePlanner, shares_for
+from fxmem.run.dynamo.shared_budget import shares_for
+from fxmem.run.planners import ProbePlanner, recording_planner
 from fxmem.run.dynamo.layer_loops import every_layer
 from fxmem.run.dynamo.ledger import Ledger, survey_step
 from fxmem.planner.plan import Plan

@@ -24,6 +24,7 @@ _EXPORTS = {
     "PolicyError": "fxmem.planner.policies",
     "estimate": "fxmem.tools.estimate", "Estimate": "fxmem.tools.estimate", "max_batch_size": "fxmem.tools.capacity",
     "fit_batch": "fxmem.tools.batch_fit", "BatchFit": "fxmem.tools.batch_fit",
+    "Loss": "fxmem.planner.options", "Pipeline": "fxmem.planner.options", "Solver": "fxmem.planner.options",
     "check_plan": "fxmem.tools.check_plan", "pack_buffers": "fxmem.solve.packing", "Packing": "fxmem.solve.packing",
 }
 

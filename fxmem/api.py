@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 
 from dataclasses import replace
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -28,6 +28,7 @@ from fxmem.trace.meta_device import planned_on, refuse_meta_model
 from fxmem.price.optimizer_state import model_state_bytes
 from fxmem.dist.pipeline import PipelineRequest, plan_pipeline
 from fxmem.dist.placement import PlacedModule, check_devices
+from fxmem.planner.options import Loss, Pipeline, Solver, spelled_out
 from fxmem.planner.plan import Plan
 from fxmem.planner.planner import PlanRequest
 from fxmem.planner.policies import Policy, PolicyError, parse_policy
@@ -120,16 +121,38 @@ def make_request(model: torch.nn.Module, args: tuple, kwargs: dict, *, budget: i
                        replay_ops="torch" if inner == "inductor" else "functions")
 
 
+# the keywords `plan` and `optimize` take besides their own, with their defaults: a group's spellings, and
+# `device` (the same as `target`) and `every_n` (the N of policy "every-N-layers")
+PLAN_SPELLINGS = {"device": None, "every_n": None, "solver": "auto", "time_limit_s": 10.0, "calibrate": None,
+                  "loss_fn": None, "example_target": None, "keep_outputs": None, "model_loss": True,
+                  "num_stages": None, "schedule": "1f1b", "n_microbatches": None}
+OPTIMIZE_SPELLINGS = {k: v for k, v in PLAN_SPELLINGS.items()
+                      if k not in ("example_target", "num_stages", "schedule", "n_microbatches")}
+
+
+def _options(function: str, given: dict[str, Any], known: dict[str, Any], **groups: Any) -> dict[str, Any]:
+    """Every keyword `known` names, from `given` (an unknown one refused as Python refuses it), each group
+    spelled out over them (`fxmem.planner.options`); `solver` may be a solver's name alone."""
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise TypeError(f"{function}() got an unexpected keyword argument {unknown[0]!r}")
+    options, solver = {**known, **given}, groups.pop("solver")
+    if isinstance(solver, str):
+        options["solver"] = solver
+    else:
+        options = spelled_out(solver, options, known, "solver")
+    for name, group in groups.items():
+        options = spelled_out(group, options, known, name)
+    return options
+
+
 @public
 def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: float | None = None, *,
-         example_kwargs: dict[str, Any] | None = None, device: DeviceSpec | str | None = None,
-         solver: str = "auto", time_limit_s: float = 10.0, offload: bool = False,
-         target: DeviceSpec | str | None = None, pool: bool | str = False, num_stages: int | None = None,
-         schedule: str = "1f1b", n_microbatches: int | None = None, optimizer: str | float | None = None,
-         calibrate: bool | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-         example_target: Any = None, keep_outputs: bool | None = None, eager_meter: bool = False,
-         model_loss: bool = True, accumulating: bool = False, policy: str | None = None,
-         every_n: int | None = None) -> Plan:
+         example_kwargs: dict[str, Any] | None = None, target: DeviceSpec | str | None = None,
+         optimizer: str | float | None = None, loss: Loss | None = None, pipeline: Pipeline | None = None,
+         solver: Solver | str = "auto", offload: bool = False, pool: bool | str = False,
+         policy: str | None = None, accumulating: bool = False, eager_meter: bool = False,
+         **spellings: Any) -> Plan:
     """Plan a training step of `model` on `example_inputs` under `budget_gb` without running it
     (fake tensors only). Without a budget the plan keeps everything (the eager step).
     `target` (same as `device`): the device to plan for, which need not be present; with
@@ -157,7 +180,17 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
     `fxmem.price.accumulation`), as the second and later micro-batches of gradient accumulation run.
     `policy`: a named policy decides instead of a budget ("speed", "memory", "every-layer",
     "every-N-layers" or `every_n=N`, "sqrt": `fxmem.planner.policies`, docs/policies.md); with `budget_gb` too, the
-    policy's plan where it fits the budget, else a `PolicyError` naming its peak."""
+    policy's plan where it fits the budget, else a `PolicyError` naming its peak.
+    Related options come grouped (`fxmem.planner.options`): `loss=fxmem.Loss(fn, target, keep_outputs,
+    from_model)` for `loss_fn=`, `example_target=`, `keep_outputs=`, `model_loss=`; `pipeline=fxmem.Pipeline(
+    num_stages, schedule, n_microbatches)`; `solver=fxmem.Solver(name, time_limit_s, calibrate)` for `solver=`,
+    `time_limit_s=`, `calibrate=`. Those keywords, and `device=` (the same as `target=`), work as before."""
+    o = _options("plan", spellings, PLAN_SPELLINGS, loss=loss, pipeline=pipeline, solver=solver)
+    device, every_n, solver, time_limit_s, calibrate = o["device"], o["every_n"], o["solver"], o["time_limit_s"], \
+        o["calibrate"]
+    loss_fn, example_target, keep_outputs, model_loss = o["loss_fn"], o["example_target"], o["keep_outputs"], \
+        o["model_loss"]
+    num_stages, schedule, n_microbatches = o["num_stages"], o["schedule"], o["n_microbatches"]
     check_model(model)
     policy = check_policy(parse_policy(policy, every_n), offload=offload, num_stages=num_stages)
     args, kwargs = example_args(example_inputs), dict(example_kwargs or {})
@@ -206,13 +239,10 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
 
 @public
 def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Plan | None = None,
-             device: DeviceSpec | str | None = None, solver: str = "auto",
-             time_limit_s: float = 10.0, offload: bool = False, target: DeviceSpec | str | None = None,
-             devices: Sequence[str] | None = None, pool: bool | str = False,
-             calibrate: bool | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-             keep_outputs: bool | None = None, optimizer: Any = None, model_loss: bool = True,
-             policy: str | None = None, every_n: int | None = None, inner: str | None = None
-             ) -> OptimizedModule | PlacedModule:
+             target: DeviceSpec | str | None = None, optimizer: Any = None, loss: Loss | None = None,
+             solver: Solver | str = "auto", inner: str | None = None, offload: bool = False,
+             devices: Sequence[str] | None = None, pool: bool | str = False, policy: str | None = None,
+             **spellings: Any) -> OptimizedModule | PlacedModule:
     """A module that trains like `model` with its step planned under `budget_gb` (planned lazily at the
     first call, from the real inputs; re-planned per input signature), or running a given `plan`.
     `offload=True` lets the planner copy saved values to host memory (see `plan`); `devices` places
@@ -230,6 +260,13 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
     step (fused kernels; fxmem's planner decides what backward keeps and recomputes: `fxmem.run.inductor.step`);
     "aot_eager" runs it with eager kernels and trains bit for bit as eager does. Default: "inductor" for a
     model on a GPU, else "aot_eager" (`fxmem.run.inductor.step.default_inner` says why)."""
+    if loss is not None and loss.target is not None:
+        raise ValueError("fxmem.optimize takes the loss's target at each call (module(*inputs, target=y)); "
+                         "leave Loss(target=) out")
+    o = _options("optimize", spellings, OPTIMIZE_SPELLINGS, loss=loss, solver=solver)
+    device, every_n, solver, time_limit_s, calibrate = o["device"], o["every_n"], o["solver"], o["time_limit_s"], \
+        o["calibrate"]
+    loss_fn, keep_outputs, model_loss = o["loss_fn"], o["keep_outputs"], o["model_loss"]
     check_model(model)
     if inner == "inductor" and (pool or offload or devices is not None):
         raise ValueError("inner='inductor' runs one planned step on one device, without offload or pool; "

@@ -177,3 +177,67 @@ def test_budget_at_the_eager_peak_is_met_by_the_eager_step():
     assert plan.predicted_peak_bytes <= eager and not plan.recompute
     optimized = fxmem.optimize(model, plan=plan, loss_fn=mse)
     assert measure_peak_bytes(optimized, (x,), {"target": y}) <= eager
+
+
+def _mse(out, target):
+    return torch.nn.functional.mse_loss(out, target)
+
+
+def _decided(plan) -> dict:
+    """A plan's JSON less the seconds its solver took."""
+    import json
+
+    data = json.loads(plan.to_json())
+    data.pop("solve_time_s", None)
+    return data
+
+
+def _regression():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    return model, (torch.randn(256, 32),), torch.randn(256, 8)
+
+
+def test_grouped_options_plan_what_their_keywords_plan():
+    """`loss=fxmem.Loss(...)`, `pipeline=fxmem.Pipeline(...)` and `solver=fxmem.Solver(...)` stand for the
+    keywords users already write: the same plan either way."""
+    model, inputs, target = _regression()
+    spelled = fxmem.plan(model, inputs, 1.0, loss_fn=_mse, example_target=target, time_limit_s=2, solver="greedy")
+    grouped = fxmem.plan(model, inputs, 1.0, loss=fxmem.Loss(_mse, target=target),
+                         solver=fxmem.Solver("greedy", time_limit_s=2))
+    assert _decided(grouped) == _decided(spelled)
+    gpt, ids = _setup("gpt-tiny")
+    staged = fxmem.plan(gpt, ids, num_stages=2, n_microbatches=2, time_limit_s=2)
+    grouped = fxmem.plan(gpt, ids, pipeline=fxmem.Pipeline(2, n_microbatches=2), solver=fxmem.Solver(time_limit_s=2))
+    assert grouped.pipeline.stages == staged.pipeline.stages and grouped.pipeline.num_stages == 2
+
+
+def test_grouped_options_train_as_their_keywords_do():
+    model, inputs, target = _regression()
+    ref = copy.deepcopy(model)
+    opt = fxmem.optimize(model, budget_gb=1.0, loss=fxmem.Loss(_mse), solver=fxmem.Solver(time_limit_s=2))
+    opt(*inputs, target=target).backward()
+    _mse(ref(*inputs), target).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("call, error, text", [
+    (lambda m, x: fxmem.plan(m, x, 1.0, loss=fxmem.Loss(_mse), loss_fn=_mse), ValueError,
+     "pass loss=fxmem.Loss(...) or loss_fn=, not both"),
+    (lambda m, x: fxmem.plan(m, x, 1.0, solver=fxmem.Solver(time_limit_s=1), time_limit_s=2), ValueError,
+     "pass solver=fxmem.Solver(...) or time_limit_s=, not both"),
+    (lambda m, x: fxmem.plan(m, x, pipeline=fxmem.Pipeline(2), num_stages=3), ValueError,
+     "pass pipeline=fxmem.Pipeline(...) or num_stages=, not both"),
+    (lambda m, x: fxmem.plan(m, x, 1.0, loss=_mse), TypeError, "loss= takes an fxmem.Loss(...), got function"),
+    (lambda m, x: fxmem.plan(m, x, 1.0, budget=1.0), TypeError, "plan() got an unexpected keyword argument 'budget'"),
+    (lambda m, x: fxmem.optimize(m, budget_gb=1.0, loss=fxmem.Loss(_mse, target=1)), ValueError,
+     "fxmem.optimize takes the loss's target at each call"),
+    (lambda m, x: fxmem.optimize(m, budget_gb=1.0, num_stages=2), TypeError,
+     "optimize() got an unexpected keyword argument 'num_stages'"),
+])
+def test_a_group_and_its_own_keyword_are_refused_together(call, error, text):
+    model, inputs, _ = _regression()
+    with pytest.raises(error) as info:
+        call(model, inputs)
+    assert text in str(info.value)

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
+from torch._dynamo.eval_frame import _set_in_optimized_module
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
@@ -41,8 +42,8 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any] = (),
     if method not in METHODS:
         raise ValueError(f"capture method {method!r} is not one of {METHODS}")
     args, kwargs = example_args(example_inputs), dict(example_kwargs or {})
-    with untouched(model):
-        gm = _capture(model, args, kwargs, method)
+    with untouched(model), _set_in_optimized_module():  # meters built on ModTracker (MemTracker) step aside:
+        gm = _capture(model, args, kwargs, method)  # the modules run on fake stand-ins, holding no memory
     _constants_as_buffers(gm)
     return gm
 
@@ -95,6 +96,8 @@ def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, method: str) -> 
         raise
     except Exception as exc:
         raise _explain(exc, first_error) from exc
+    finally:  # the first error's traceback holds this frame and its callers': let them go now, not at the
+        first_error = None  # next garbage collection (the caller's real inputs and outputs would live as long)
     tags(gm)[CAPTURE] = "export"
     return gm
 

@@ -42,6 +42,25 @@ def test_export_fallback_keeps_output_structure():
     torch.testing.assert_close(out["y"], model(x, scale=2.0)["y"])
 
 
+def test_the_export_fallback_leaves_no_cycle_holding_the_callers_values():
+    """symbolic_trace's error, kept while export runs, is let go: its traceback would hold the caller's frames
+    (the step's real inputs and outputs) until the next garbage collection."""
+    import gc
+    import weakref
+
+    def call_site():
+        x = torch.randn(4, 8)
+        capture(KwargsAndDictOut(), (x,), {"scale": 2.0})
+        return weakref.ref(x)
+
+    gc.disable()
+    try:
+        alive = call_site()
+        assert alive() is None
+    finally:
+        gc.enable()
+
+
 class DataDependent(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -102,7 +102,7 @@ def inner_for(model: torch.nn.Module, inner: str | None, plan: Plan | None, pass
 def make_request(model: torch.nn.Module, args: tuple, kwargs: dict, *, budget: int | None, device: DeviceSpec,
                  solver: str, time_limit_s: float, offload: bool = False, pool: bool | str = False,
                  plan: Plan | None = None, calibrate: bool | None = None, optimizer: Any = None,
-                 policy: Policy | None = None, inner: str = "aot_eager") -> PlanRequest:
+                 policy: Policy | None = None, inner: str = "aot_eager", cache: bool = True) -> PlanRequest:
     """What to plan for one input signature of `model` (budget in bytes, None: keep everything).
     `calibrate` None: time the kernels when the model is on a GPU (the device it will train on)."""
     where = model_device(model)
@@ -118,7 +118,7 @@ def make_request(model: torch.nn.Module, args: tuple, kwargs: dict, *, budget: i
                        signature=signature_of(model, args, kwargs), offload=bool(offload), pool=pool,
                        calibrate=bool(calibrate), resident_bytes=model_state_bytes(optimizer, model), chunk_loss=True,
                        policy=policy, inner=inner, replay_random=replays_random(inner),
-                       replay_ops="torch" if inner == "inductor" else "functions")
+                       replay_ops="torch" if inner == "inductor" else "functions", cache=bool(cache))
 
 
 # the keywords `plan` and `optimize` take besides their own, with their defaults: a group's spellings, and
@@ -151,7 +151,7 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
          example_kwargs: dict[str, Any] | None = None, target: DeviceSpec | str | None = None,
          optimizer: str | float | None = None, loss: Loss | None = None, pipeline: Pipeline | None = None,
          solver: Solver | str = "auto", offload: bool = False, pool: bool | str = False,
-         policy: str | None = None, accumulating: bool = False, eager_meter: bool = False,
+         policy: str | None = None, accumulating: bool = False, eager_meter: bool = False, cache: bool = True,
          **spellings: Any) -> Plan:
     """Plan a training step of `model` on `example_inputs` under `budget_gb` without running it
     (fake tensors only). Without a budget the plan keeps everything (the eager step).
@@ -184,7 +184,9 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
     Related options come grouped (`fxmem.planner.options`): `loss=fxmem.Loss(fn, target, keep_outputs,
     from_model)` for `loss_fn=`, `example_target=`, `keep_outputs=`, `model_loss=`; `pipeline=fxmem.Pipeline(
     num_stages, schedule, n_microbatches)`; `solver=fxmem.Solver(name, time_limit_s, calibrate)` for `solver=`,
-    `time_limit_s=`, `calibrate=`. Those keywords, and `device=` (the same as `target=`), work as before."""
+    `time_limit_s=`, `calibrate=`. Those keywords, and `device=` (the same as `target=`), work as before.
+    `cache`: read a plan made before for the same graph and request from disk, and keep this one there
+    (`fxmem.planner.plan_cache`: `FXMEM_CACHE_DIR`, `FXMEM_CACHE=0`)."""
     o = _options("plan", spellings, PLAN_SPELLINGS, loss=loss, pipeline=pipeline, solver=solver)
     device, every_n, solver, time_limit_s, calibrate = o["device"], o["every_n"], o["solver"], o["time_limit_s"], \
         o["calibrate"]
@@ -211,7 +213,7 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
     request = make_request(model, args, kwargs, budget=budget, device=spec,
                            solver=solver, time_limit_s=check_time_limit(time_limit_s), offload=offload, pool=pool,
                            calibrate=calibrate, optimizer=None if num_stages is not None else optimizer,
-                           policy=policy)
+                           policy=policy, cache=cache)
     grads = accumulating_state(model) if accumulating and num_stages is None else None
     request = replace(request, loss=loss, resident_gradient_bytes=grads.bytes if grads else 0,
                       resident_gradients=grads.description if grads else "")
@@ -242,7 +244,7 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
              target: DeviceSpec | str | None = None, optimizer: Any = None, loss: Loss | None = None,
              solver: Solver | str = "auto", inner: str | None = None, offload: bool = False,
              devices: Sequence[str] | None = None, pool: bool | str = False, policy: str | None = None,
-             **spellings: Any) -> OptimizedModule | PlacedModule:
+             cache: bool = True, **spellings: Any) -> OptimizedModule | PlacedModule:
     """A module that trains like `model` with its step planned under `budget_gb` (planned lazily at the
     first call, from the real inputs; re-planned per input signature), or running a given `plan`.
     `offload=True` lets the planner copy saved values to host memory (see `plan`); `devices` places
@@ -302,7 +304,7 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
     def request_for(module: torch.nn.Module, args: tuple, kwargs: dict) -> PlanRequest:
         return make_request(module, args, kwargs, budget=budget, device=spec, solver=solver,
                             time_limit_s=time_limit_s, offload=offload, pool=pool, plan=plan, calibrate=calibrate,
-                            optimizer=optimizer, policy=policy, inner=inner)
+                            optimizer=optimizer, policy=policy, inner=inner, cache=cache)
 
     measure = plan is None and (policy is None or policy.name == "speed")  # eager's peak is compared with the budget
     return OptimizedModule(model, request_for, (model_loss, keep_outputs is not False, measure))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 
 import pytest
 import torch
@@ -14,6 +15,9 @@ from torch._functorch.partitioners import default_partition
 from fxmem.measure import training_step
 
 GIB = 2**30
+# Every test plans afresh (and subprocesses they start inherit this): a plan read from a cache would hide
+# what a test checks of planning. tests/planner/test_plan_cache.py turns the cache on where it tests it.
+os.environ["FXMEM_CACHE"] = "0"
 
 
 def step(module, inputs, kwargs=None, seed=1234):

@@ -39,6 +39,7 @@ from fxmem.passes.recompute import partition, recompute_pass
 from fxmem.passes.rng import replay_random_ops, rng_pass
 from fxmem.passes.runner import StepGraphs, run_passes
 from fxmem.planner.plan import Plan, PoolSection, graph_fingerprint
+from fxmem.planner.plan_cache import cached_plan
 from fxmem.planner.plan_facts import breakdown, graph_device, node_rows, timing, trained_parameters
 from fxmem.planner.policies import Policy, describe, every_block_checkpointed, policy_recompute, policy_within_budget
 from fxmem.solve.problem import (
@@ -94,6 +95,7 @@ class PlanRequest:
     inner: str = "aot_eager"  # the planned graphs run with eager kernels, or compiled by Inductor (fxmem.run.inductor.step)
     chunk_loss: bool = False  # the loss may be computed in chunks of tokens where the budget needs it (fxmem.planner.loss_chunks)
     policy: Policy | None = None  # a named policy (fxmem.planner.policies) decides instead of the budget
+    cache: bool = True  # a plan made before for this graph and request is read from disk (fxmem.planner.plan_cache)
 
 
 @dataclass(frozen=True)
@@ -185,6 +187,22 @@ class Planner:
                           frozenset(offloaded))
 
     def _make_plan(self, joint: torch.fx.GraphModule, fingerprint: str) -> Plan:
+        """The plan for this graph and request: read from the plan cache where it was made before (what
+        making it sets on the planner set as for a given plan), else made and kept there."""
+        made = []
+
+        def make() -> Plan:
+            made.append(True)
+            return self._fresh_plan(joint, fingerprint)
+
+        plan = cached_plan(fingerprint, self.request, make, {"num_fwd_outputs": self.num_fwd_outputs})
+        if not made:
+            self.allocator = AllocatorModel.for_device(self.request.device).holding(*self.request.held_bytes)
+            if plan.offload:
+                self._price_copies(estimate(joint, self.request.device))
+        return plan
+
+    def _fresh_plan(self, joint: torch.fx.GraphModule, fingerprint: str) -> Plan:
         """The plan for the budget less the resident bytes (`fxmem.planner.resident`: the optimizer's state, the
         gradients accumulated into), stated for the whole budget."""
         request = self.request

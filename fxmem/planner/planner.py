@@ -53,6 +53,7 @@ from fxmem.planner.resident import refusal_with_resident, resident_parts, with_r
 from fxmem.price.joint_problem import JointSplit, Lowered, build_problem, split_joint
 from fxmem.solve.recompute import least_peak, solve
 from fxmem.solve.solution import Solution, make_solution
+from fxmem.stage_times import stage
 
 STEP_PASSES = (recompute_pass, rng_pass, offload_pass, pool_pass)
 
@@ -136,7 +137,8 @@ class Planner:
             plan, link = self._make_plan(joint, fingerprint), self.request.device.host_link
         graphs = StepGraphs(joint, num_fwd_outputs, seconds=self._seconds, host_link=link, pool=self.request.pool,
                             replay_ops=self.request.replay_ops)
-        graphs = run_passes(graphs, plan, STEP_PASSES)
+        with stage("rewrite"):
+            graphs = run_passes(graphs, plan, STEP_PASSES)
         if self.request.pool:
             plan = dataclasses.replace(plan, pool=self._pool_section(plan, graphs))
         self.plan = plan
@@ -176,6 +178,10 @@ class Planner:
 
     def _candidate(self, joint, lowered: Lowered, recompute: frozenset[int],
                    offloaded: frozenset[int] = frozenset()) -> _Candidate:
+        with stage("simulate"):
+            return self._simulated(joint, lowered, recompute, offloaded)
+
+    def _simulated(self, joint, lowered: Lowered, recompute: frozenset[int], offloaded: frozenset[int]) -> _Candidate:
         names = _saved_names(lowered, recompute)
         fw, bw = partition(joint, names, num_fwd_outputs=self.num_fwd_outputs, lazy=True)  # simulated, never run
         # as rng_pass will: the simulation sees the saved generator states, as on the device planned for (a
@@ -235,15 +241,20 @@ class Planner:
         raise AssertionError("a one-byte budget was met")
 
     def _plan_within(self, joint: torch.fx.GraphModule, fingerprint: str, budget: int | None) -> Plan:
+        with stage("solve"):  # what pricing and simulating inside leave is the search's own time
+            return self._searched(joint, fingerprint, budget)
+
+    def _searched(self, joint: torch.fx.GraphModule, fingerprint: str, budget: int | None) -> Plan:
         request = self.request
         split = split_joint(joint, self.num_fwd_outputs)
         timer = KernelTimer(graph_device(joint)) if request.calibrate else None
-        costs = estimate(joint, request.device, backward=set(split.backward), timer=timer and timer.seconds,
-                         fused=request.inner == "inductor")
-        self._price_copies(costs)
-        self.allocator = AllocatorModel.for_device(request.device).holding(*request.held_bytes)
-        lowered = build_problem(joint, split, costs, budget or 0, self.allocator, request.replay_random,
-                                fused=request.inner == "inductor")
+        with stage("price"):
+            costs = estimate(joint, request.device, backward=set(split.backward), timer=timer and timer.seconds,
+                             fused=request.inner == "inductor")
+            self._price_copies(costs)
+            self.allocator = AllocatorModel.for_device(request.device).holding(*request.held_bytes)
+            lowered = build_problem(joint, split, costs, budget or 0, self.allocator, request.replay_random,
+                                    fused=request.inner == "inductor")
         if request.offload:
             lowered = _allow_offload(lowered, split, costs, request.offload_min_bytes)
         log.info("joint graph: %d forward and %d backward ops, %d values backward may need",

@@ -47,6 +47,7 @@ from fxmem.progress import planning
 from fxmem.planner.report import short_signature
 from fxmem.trace.wrapper import ModelWrapper
 from fxmem.meta_keys import CAPTURE, tag
+from fxmem.stage_times import stage
 
 log = logging.getLogger("fxmem")
 ANY_BUDGET = 1 << 62  # the "speed" policy runs PyTorch's eager step wherever it holds less than fxmem's keep-all
@@ -125,7 +126,7 @@ def model_state(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 def trace_on_fakes(step: CompiledStep, model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """Run `step`'s forward once on fake tensors: AOTAutograd traces the joint graph and calls the
     planner; nothing real is computed or allocated."""
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+    with stage("trace joint"), FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fake = lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t  # noqa: E731
         state = {k: fake(v) for k, v in model_state(model)}
         return step(state, pytree.tree_map(fake, tuple(args)), pytree.tree_map(fake, dict(kwargs)))

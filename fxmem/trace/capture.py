@@ -27,6 +27,7 @@ from fxmem.error_boundary import is_library_file, public
 from fxmem.errors import FxmemError, TraceError
 from fxmem.trace.torch_output import held_output
 from fxmem.meta_keys import CAPTURE, INPUT_NAMES, tag, tags
+from fxmem.stage_times import stage
 
 METHODS = ("auto", "symbolic_trace", "export")
 
@@ -42,7 +43,7 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any] = (),
     if method not in METHODS:
         raise ValueError(f"capture method {method!r} is not one of {METHODS}")
     args, kwargs = example_args(example_inputs), dict(example_kwargs or {})
-    with untouched(model), _set_in_optimized_module():  # meters built on ModTracker (MemTracker) step aside:
+    with stage("capture"), untouched(model), _set_in_optimized_module():  # meters built on ModTracker (MemTracker) step aside:
         gm = _capture(model, args, kwargs, method)  # the modules run on fake stand-ins, holding no memory
     _constants_as_buffers(gm)
     return gm

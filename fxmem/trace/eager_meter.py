@@ -20,6 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from fxmem.trace.loss import loss_of
+from fxmem.stage_times import stage
 
 log = logging.getLogger("fxmem")
 
@@ -31,7 +32,7 @@ def eager_peak_bytes(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[s
     `read(outputs)`, called on the model's fake outputs before backward, returns the outputs the step
     holds instead (a wrapper's forward that detaches some)."""
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        with stage("eager meter"), FakeTensorMode(allow_non_fake_inputs=True) as mode:
             fake = lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x  # noqa: E731
             state = {name: fake(p.detach()).requires_grad_(p.requires_grad) for name, p in model.named_parameters()}
             state |= {name: fake(b) for name, b in model.named_buffers()}

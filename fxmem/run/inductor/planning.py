@@ -23,6 +23,7 @@ import torch.fx
 from torch._guards import detect_fake_mode
 
 from fxmem.run.joint_cache import copy_joint
+from fxmem.stage_times import stage
 
 FUSED_TRIES = 5  # plans made (each lowered by Inductor) to fit the fused step to a budget
 # Inductor's settings while a plan is scheduled: C++ kernels generated without vectors, which read off the
@@ -61,7 +62,7 @@ def compile_with_partitioner(gm: torch.fx.GraphModule, example_inputs: Sequence[
     class FxmemPartitioner(_InductorPartitioner, CustomPartitionerFn):
         pass
 
-    with torch._functorch.config.patch(enable_autograd_cache=False), \
+    with stage("compile"), torch._functorch.config.patch(enable_autograd_cache=False), \
             inductor_config.patch(custom_partitioner_fn=FxmemPartitioner(partitioner), fx_graph_cache=False):
         return compile_fx(gm, list(example_inputs))
 

@@ -22,6 +22,7 @@ import sys
 import sysconfig
 import threading
 import types
+import warnings
 from typing import Any, Callable, TypeVar
 
 from fxmem.errors import FxmemError
@@ -162,6 +163,15 @@ def _internal(tb: types.TracebackType) -> bool:
     installed = f"{os.sep}site-packages{os.sep}" in path or f"{os.sep}dist-packages{os.sep}" in path
     return (is_library_file(path) and not path.startswith(_zoo_dirs())) or \
         (path.startswith(_stdlib_dirs()) and not installed)
+
+
+def warn_at_caller(message: str, category: type[Warning] = UserWarning) -> None:
+    """Warn, naming the innermost frame outside torch and fxmem (the user's `loss.backward()`, for a warning
+    raised inside backward), not fxmem's own line."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and is_library_file(frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level if frame is not None else 2)
 
 
 def is_library_file(filename: str) -> bool:

@@ -35,7 +35,7 @@ from fxmem.run.eager_step import EagerStep, eager_peak_within, eager_plan
 from fxmem.run.inductor.step import InductorRunner
 from fxmem.run.joint_cache import Uncompiled, joint_of, kept, key_of, partitioning
 from fxmem.run.planners import KeepingPlanner
-from fxmem.error_boundary import public
+from fxmem.error_boundary import public, warn_at_caller
 from fxmem.errors import TraceError
 from fxmem.trace.step import Step, planned_step
 from fxmem.trace.meta_device import planned_on
@@ -244,7 +244,7 @@ class OptimizedModule(ModelWrapper):
         step = self._steps.get((key, ran))
         if step is None:
             forward = bwa.live_state()
-            backward = bwa.traced_state(forward) if ran is None else ran
+            backward = bwa.expected_state(forward) if ran is None else ran
             with torch._functorch.config.patch(backward_pass_autocast=bwa.config_for(backward, forward)):
                 step, out = self._plan(model, args, kwargs, grads)
             self._steps[(key, ran)] = step
@@ -306,8 +306,8 @@ class OptimizedModule(ModelWrapper):
             step.backward_agrees[state] = _same_joint(step, self.fxmem_model, args, kwargs, state)
             if not step.backward_agrees[state]:
                 plan = step.planner.plan
-                warnings.warn(bwa.mismatch_warning(plan.model if plan else type(self.fxmem_model).__qualname__,
-                                                   step.traced_backward, state, step.forward_autocast), stacklevel=2)
+                warn_at_caller(bwa.mismatch_warning(plan.model if plan else type(self.fxmem_model).__qualname__,
+                                                    step.traced_backward, state, step.forward_autocast))
         if step.backward_agrees.get(state):
             self._steps.setdefault((key, state), step)
 

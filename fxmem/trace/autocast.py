@@ -1,8 +1,8 @@
 """Where backward runs relative to `torch.autocast`, and the backward graph traced for it.
 
 Eager's backward runs under the autocast active where `backward()` is called; AOTAutograd traces the
-backward once, under `torch._functorch.config.backward_pass_autocast` (default "same_as_forward":
-forward's autocast). Most backward graphs do not depend on it (a matmul autocast ran in bf16 has a
+backward once, under `torch._functorch.config.backward_pass_autocast`; at torch's default
+("same_as_forward") fxmem traces it outside autocast, where PyTorch advises running it (`expected_state`). Most backward graphs do not depend on it (a matmul autocast ran in bf16 has a
 bf16 backward either way), but fp32 matmuls that forward ran with autocast excluded do: CPU
 `scaled_dot_product_attention` with dropout runs its math kernel, which computes in fp32, and eager
 runs those matmuls' backward in bf16 under autocast and in fp32 outside it. The engine watches where
@@ -59,6 +59,14 @@ def traced_state(forward: State, config: Any = None) -> State:
         kw.get("device_type", kw.get("device")))) for kw in config)
 
 
+def expected_state(forward: State, config: Any = None) -> State:
+    """Where a step's backward is planned to run before it is seen: where torch's `backward_pass_autocast`
+    says, where it is set; at its default ("same_as_forward"), outside autocast, as PyTorch advises and as
+    `Trainer` and Accelerate call it, so the usual loop is eager's from its first step."""
+    config = torch._functorch.config.backward_pass_autocast if config is None else config
+    return () if config == "same_as_forward" else traced_state(forward, config)
+
+
 def config_for(backward: State, forward: State) -> Any:
     """The `backward_pass_autocast` setting that traces backward under `backward`."""
     if backward == forward:
@@ -84,10 +92,7 @@ def watch_backward(outputs: Iterable[Any], seen: Callable[[State], None]) -> Non
 
 def mismatch_warning(model: str, traced: State, ran: State, forward: State) -> str:
     """The warning for a backward that ran elsewhere than where its graph was traced, and depends on it."""
-    return (f"fxmem: {model}'s backward ran {where(ran)}, but its graph was traced for backward {where(traced)} "
-            f"(torch._functorch.config.backward_pass_autocast); this model's backward depends on it (fp32 "
-            "matmuls forward ran outside autocast, e.g. CPU scaled_dot_product_attention with dropout), so this "
-            "step's gradients differ from eager's in rounding. fxmem plans the step again for backward "
-            f"{where(ran)} at the next call; set torch._functorch.config.backward_pass_autocast = "
-            f"{config_for(ran, forward)!r} before the first step to be eager's from the start "
-            "(docs/autocast.md)")
+    return (f"fxmem: {model}'s backward ran {where(ran)} and its graph was planned for backward {where(traced)}, so "
+            f"this step's gradients differ from eager's in rounding; the next call plans for backward {where(ran)} "
+            f"(or set torch._functorch.config.backward_pass_autocast = {config_for(ran, forward)!r} before the "
+            "first step; docs/autocast.md)")

@@ -92,4 +92,4 @@ def test_optimize_plans_again_when_autocast_changes():
     with torch.autocast(**BF16):
         step(optimized, inputs)
     step(optimized, inputs)
-    assert [p.signature.endswith("autocast(cpu:bfloat16)") for p in optimized.plans] == [True, False]
+    assert ["autocast(cpu:bfloat16)" in p.signature for p in optimized.plans] == [True, False]

@@ -35,6 +35,7 @@ from fxmem.planner.policies import Policy, PolicyError, parse_policy
 from fxmem.progress import planning
 from fxmem.planner.report import short_signature
 from fxmem.trace.step_module import LossStep
+from fxmem.trace.wrapper import presented
 from fxmem.run.step_timer import measured_overheads
 
 POOL_MODES = (False, True, "all")
@@ -261,7 +262,9 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
     instead of (or checked against) `budget_gb`, see `plan`. `inner="inductor"`: Inductor compiles the planned
     step (fused kernels; fxmem's planner decides what backward keeps and recomputes: `fxmem.run.inductor.step`);
     "aot_eager" runs it with eager kernels and trains bit for bit as eager does. Default: "inductor" for a
-    model on a GPU, else "aot_eager" (`fxmem.run.inductor.step.default_inner` says why)."""
+    model on a GPU, else "aot_eager" (`fxmem.run.inductor.step.default_inner` says why). Frameworks read the
+    module as the model (`fxmem.trace.wrapper.presented`): its forward signature (with `loss_fn`, plus
+    `target`), `config`, `save_pretrained` and whatever else the model has (a transformers model's class too)."""
     if loss is not None and loss.target is not None:
         raise ValueError("fxmem.optimize takes the loss's target at each call (module(*inputs, target=y)); "
                          "leave Loss(target=) out")
@@ -294,8 +297,8 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
         if budgets is None:
             budgets = [e.budget_bytes for e in plan.devices] if plan is not None else [None] * len(devices)
         given = target or device  # else each region is priced as the device it runs on
-        return PlacedModule(model, devices, budgets, plan, device_spec(given) if given is not None else None, solver,
-                            time_limit_s)
+        return presented(PlacedModule(model, devices, budgets, plan, device_spec(given) if given is not None else None,
+                                      solver, time_limit_s))
     if (budget_gb is None) == (plan is None) and policy is None:
         raise ValueError("pass exactly one of budget_gb= (plan at the first call) or plan= (a Plan made earlier)")
     budget = budget_bytes(budget_gb)
@@ -307,4 +310,4 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
                             optimizer=optimizer, policy=policy, inner=inner, cache=cache)
 
     measure = plan is None and (policy is None or policy.name == "speed")  # eager's peak is compared with the budget
-    return OptimizedModule(model, request_for, (model_loss, keep_outputs is not False, measure))
+    return presented(OptimizedModule(model, request_for, (model_loss, keep_outputs is not False, measure)))

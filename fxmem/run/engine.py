@@ -218,7 +218,7 @@ class OptimizedModule(ModelWrapper):
     def __init__(self, model: torch.nn.Module, make_request: Callable[[torch.nn.Module, tuple, dict], PlanRequest],
                  loss_options: tuple[bool, bool] | None = (True, True), fixed_plan: bool = False):
         super().__init__(model, _make_request=make_request, _steps={}, _backward_ran={}, _loss_options=loss_options,
-                         _fixed_plan=fixed_plan)
+                         _fixed_plan=fixed_plan, _last=None)
 
     @property
     def plans(self) -> list[Plan]:
@@ -229,7 +229,7 @@ class OptimizedModule(ModelWrapper):
     @property
     def plan(self) -> Plan | None:
         """The plan of the input signature seen last (None before the first training call)."""
-        step = self._steps.get(getattr(self, "_last", None))
+        step = self._steps.get(self._last)
         return step.plans[-1] if step is not None and step.plans else None
 
     @public

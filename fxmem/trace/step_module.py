@@ -8,13 +8,14 @@ gradients are kept, recomputed or freed like any other value. The model's output
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import torch
 import torch.fx
 
 from fxmem.errors import FxmemError
-from fxmem.trace.wrapper import ModelWrapper
+from fxmem.trace.wrapper import ModelWrapper, forward_signature
 
 
 class LossFnError(FxmemError, ValueError):
@@ -42,6 +43,17 @@ class LossStep(ModelWrapper):
         # kept for the caller to read (metrics), not to backpropagate: detached, backward gets no zero
         # tangent for them (an autograd.Function materializes one for every output given no gradient)
         return loss, torch.utils._pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, outputs)
+
+    def caller_signature(self) -> inspect.Signature | None:
+        """The model's forward signature with a keyword `target` (before its `**kwargs`), returning the loss."""
+        signature = forward_signature(self.fxmem_model)
+        if signature is None:
+            return None
+        params = [p for p in signature.parameters.values() if p.name != "target"]  # the model's is shadowed
+        target = inspect.Parameter("target", inspect.Parameter.KEYWORD_ONLY, default=None)
+        rest = [p for p in params if p.kind is not p.VAR_KEYWORD]
+        return signature.replace(parameters=[*rest, target, *(p for p in params if p.kind is p.VAR_KEYWORD)],
+                                 return_annotation=inspect.Signature.empty)
 
     @property
     def display_name(self) -> str:

@@ -230,6 +230,10 @@ def run(args: argparse.Namespace) -> None:
 
     if args.budget_gb is not None:
         _check_budget(args.budget_gb)
+    if args.plot:  # before anything is planned: drawing is the last step, and planning may take minutes
+        from fxmem.cli.plot import check_matplotlib
+
+        check_matplotlib()
     if args.policies and not args.estimate:
         raise CliError("--policies goes with --estimate (fxmem-plan MODEL --estimate --policies); "
                        "to plan under one policy, use --policy NAME")

@@ -6,6 +6,7 @@ with matplotlib (imported here only, with a clear error if it is missing).
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Any
 
@@ -14,12 +15,25 @@ from fxmem.errors import FxmemError
 MIB = 2**20
 
 
+NEEDS_MATPLOTLIB = ("drawing the memory timeline needs matplotlib: pip install 'fxmem[plot]' "
+                    "(or pip install matplotlib)")
+
+
+def check_matplotlib() -> None:
+    """Raise FxmemError (one line) where matplotlib cannot be imported, without importing it."""
+    try:
+        found = importlib.util.find_spec("matplotlib") is not None
+    except (ImportError, ValueError):  # a broken or stubbed-out package
+        found = False
+    if not found:
+        raise FxmemError(NEEDS_MATPLOTLIB)
+
+
 def _pyplot() -> Any:
     try:
         import matplotlib
     except ImportError:
-        raise FxmemError("drawing the memory timeline needs matplotlib: pip install 'fxmem[plot]' "
-                         "(or pip install matplotlib)") from None
+        raise FxmemError(NEEDS_MATPLOTLIB) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -266,3 +266,13 @@ def test_meta_builds_the_model_without_weights_and_plans_it_alike(capsys, tmp_pa
 def test_help_shows_meta():
     out = run("--help").stdout
     assert "--meta --target h100" in out and "torch.device(\"meta\")" in out
+
+
+def test_plot_without_matplotlib_is_refused_before_planning(capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    monkeypatch.setattr(fxmem, "plan", lambda *a, **k: pytest.fail("planned before checking for matplotlib"))
+    code, out, err = cli(capsys, "mlp-tiny", "--budget-gb", "1", "--plot", str(tmp_path / "t.png"))
+    assert code == 2 and out == "" and not (tmp_path / "t.png").exists()
+    assert err.splitlines() == ["fxmem-plan: drawing the memory timeline needs matplotlib: pip install 'fxmem[plot]' "
+                                "(or pip install matplotlib)"]
+

@@ -276,3 +276,19 @@ def test_plot_without_matplotlib_is_refused_before_planning(capsys, monkeypatch,
     assert err.splitlines() == ["fxmem-plan: drawing the memory timeline needs matplotlib: pip install 'fxmem[plot]' "
                                 "(or pip install matplotlib)"]
 
+
+def test_optimizer_counts_in_the_plan(capsys, tmp_path):
+    counted, plain = tmp_path / "adamw.json", tmp_path / "none.json"
+    code, out, err = cli(capsys, "mlp-tiny", "--budget-gb", "1", "--optimizer", "adamw", "--quiet", "--out", str(counted))
+    assert code == 0, err
+    code, _, err = cli(capsys, "mlp-tiny", "--budget-gb", "1", "--quiet", "--out", str(plain))
+    assert code == 0, err
+    with_state, without = fxmem.Plan.load(counted), fxmem.Plan.load(plain)
+    parameters = sum(p.numel() * p.element_size() for p in models.from_name("mlp-tiny").parameters())
+    assert with_state.optimizer_state_bytes == 2 * parameters and without.optimizer_state_bytes == 0  # exp_avg, exp_avg_sq
+    assert with_state.predicted_peak_bytes == without.predicted_peak_bytes + 2 * parameters
+    assert "of which optimizer state" in out
+    # the least budget the refusal names counts the state too
+    least = with_state.predicted_peak_bytes / 2**30 / 2
+    code, _, err = cli(capsys, "mlp-tiny", "--budget-gb", f"{least:.6f}", "--optimizer", "adamw", "--quiet")
+    assert code == 2 and "optimizer" in err, err

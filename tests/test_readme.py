@@ -291,7 +291,7 @@ def test_documented_signatures_are_the_functions_own():
     doc = ROOT / "docs" / "python-api.md"
     (listing,) = [e for e in examples(doc) if e.mark.startswith(SIGNATURES)]
     text = doc.read_text()
-    for name, spellings in (("plan", PLAN_SPELLINGS), ("optimize", OPTIMIZE_SPELLINGS)):
+    for name, spellings in (("plan", PLAN_SPELLINGS), ("optimize", OPTIMIZE_SPELLINGS), ("estimate", {})):
         written = _documented(listing.code, name)
         params = [p for p in inspect.signature(getattr(fxmem, name)).parameters.values()
                   if p.kind is not inspect.Parameter.VAR_KEYWORD]

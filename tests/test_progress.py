@@ -87,3 +87,32 @@ def test_inside_the_cli_display_the_api_adds_nothing():
     lines = out.getvalue().splitlines()
     assert lines[0] == "fxmem: planning m" and lines[-1].startswith("fxmem: done in")
     assert sum(line.startswith("fxmem: done in") for line in lines) == 1 and "\r" not in out.getvalue()
+
+
+def test_every_plan_shows_the_line_however_it_is_reached(monkeypatch):
+    """The torch.compile backend's graphs and each new input shape of fxmem.optimize show what fxmem.plan shows."""
+    import torch
+
+    import fxmem
+    from fxmem import models
+
+    monkeypatch.setattr(progress, "DELAY_S", 0.0)
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    torch._dynamo.reset()
+    model = models.from_name("mlp-tiny")
+    compiled = torch.compile(model, backend="fxmem", dynamic=False, options={"budget_gb": 1.0, "inner": "aot_eager"})
+    try:
+        compiled(*models.example_inputs("mlp-tiny")).backward()
+    finally:
+        torch._dynamo.reset()
+    text = terminal.getvalue()
+    assert "planning Dynamo graph 1 (" in text and "float32[16,32]" in text and "fxmem: done in" in text
+    terminal.truncate(0)
+    terminal.seek(0)
+    step = fxmem.optimize(model, budget_gb=1.0)
+    for batch in (16, 8, 16):  # the third call's shape is planned already: no line
+        step(*models.example_inputs("mlp-tiny", batch)).backward()
+    text = terminal.getvalue()
+    assert text.count("fxmem: done in") == 2
+    assert "planning MLP (float32[16,32], int64[16])" in text and "planning MLP (float32[8,32], int64[8])" in text

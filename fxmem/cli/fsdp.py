@@ -19,7 +19,7 @@ def run_fsdp(args: argparse.Namespace, model: Any, inputs: tuple) -> None:
                         ("--estimate", args.estimate), ("--check", args.check)):
         if given:
             raise ValueError(f"--world-size does not combine with {flag} (it plans one FSDP2 rank under a budget)")
-    optimizer = None if args.optimizer == "none" else args.optimizer
+    optimizer = None if args.optimizer == "none" else args.optimizer or "adamw"
     try:
         plan = plan_fsdp(model, inputs, args.budget_gb, world_size=args.world_size, optimizer=optimizer,
                          time_limit_s=args.time_limit, target=args.target)

@@ -100,8 +100,10 @@ def _parser() -> argparse.ArgumentParser:
                    "(parameters, gradients, optimizer state, activations by module) and exit")
     p.add_argument("--policies", action="store_true", help="with --estimate: also every policy's predicted peak "
                    "and extra step time, beside the plan for --budget-gb when given")
-    p.add_argument("--optimizer", choices=("none", *NAMED), default="adamw",
-                   help="optimizer whose state --estimate counts (default adamw)")
+    p.add_argument("--optimizer", choices=("none", *NAMED),
+                   help="optimizer whose state is on the device for the whole step, counted in --budget-gb "
+                        "when given (default for a plan: none); --estimate and --world-size count adamw unless "
+                        "told otherwise")
     p.add_argument("--max-batch", action="store_true", help="search the largest batch size that fits "
                    "--budget-gb, upward from --batch-size (default 1)")
     p.add_argument("--max-overhead", type=float, default=0.1,
@@ -148,6 +150,8 @@ def _plan_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     extra = {"offload": True if args.offload else None, "num_stages": args.stages, "schedule": args.schedule,
              "n_microbatches": args.microbatches}
     kwargs.update({k: v for k, v in extra.items() if v is not None})
+    if args.optimizer not in (None, "none"):
+        kwargs["optimizer"] = args.optimizer  # its state counts in the budget, as fxmem.plan(optimizer=) counts it
     if args.stages is None:
         kwargs["eager_meter"] = True  # the table sets PyTorch eager's peak beside fxmem's keep-all step
     return kwargs
@@ -156,7 +160,7 @@ def _plan_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def _call_plan(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Call a planning function; a keyword this build's fxmem.plan does not take is a clear error."""
     flags = {"offload": "--offload", "num_stages": "--stages", "schedule": "--schedule",
-             "n_microbatches": "--microbatches"}
+             "n_microbatches": "--microbatches", "optimizer": "--optimizer"}
     try:
         return fn(*args, **kwargs)
     except TypeError as exc:
@@ -190,7 +194,7 @@ def _estimate(args: argparse.Namespace, model: Any, inputs: tuple) -> None:
 
     optimizer = None
     if args.optimizer != "none":
-        kind, options = NAMED[args.optimizer]
+        kind, options = NAMED[args.optimizer or "adamw"]
         optimizer_class = {c.__name__.lower(): c for c in vars(torch.optim).values() if isinstance(c, type)}[kind]
         optimizer = optimizer_class([p for p in model.parameters() if p.requires_grad], lr=0.1, **options)
     if args.policies:
@@ -230,6 +234,10 @@ def run(args: argparse.Namespace) -> None:
 
     if args.budget_gb is not None:
         _check_budget(args.budget_gb)
+    if args.plot:  # before anything is planned: drawing is the last step, and planning may take minutes
+        from fxmem.cli.plot import check_matplotlib
+
+        check_matplotlib()
     if args.policies and not args.estimate:
         raise CliError("--policies goes with --estimate (fxmem-plan MODEL --estimate --policies); "
                        "to plan under one policy, use --policy NAME")

@@ -17,6 +17,8 @@ MIB, KIB = 2**20, 2**10
 WIDTH = 110  # legend lines wrap here
 TABLE_WIDTH = 120  # tables fit this many columns by default (`Plan.table(width=...)`)
 OPS_WIDTH = 40  # the "ops" column's widest text before a table is narrowed to fit
+MIN_OPS_WIDTH = 12  # narrower than this, the "ops" column is left out (before any module path is shortened)
+MIN_NAME_WIDTH = 16  # module paths (or op names) are shortened in the middle to no fewer characters
 NO_BOUND_GAP = 0.9999  # a solver that proved no lower bound reports a gap of 100%
 
 
@@ -64,12 +66,16 @@ def _totals(group: list[Any]) -> tuple[int, int, int]:
 
 
 def op_names(ops: list[str], limit: int = OPS_WIDTH) -> str:
-    """The ops, overloads left out (`add.Tensor` -> `add`), as many as fit in `limit` characters, then `+k`."""
+    """The ops, overloads left out (`add.Tensor` -> `add`), as many as fit in `limit` characters, then `+k`;
+    where even one does not fit, its end is cut (`_scaled_dot.. +14`)."""
     names = sorted({op.split(".")[0] for op in ops})
     for shown in range(len(names), 0, -1):
-        text = ", ".join(names[:shown]) + (f" +{len(names) - shown}" if shown < len(names) else "")
-        if len(text) <= limit or shown == 1:
+        more = f" +{len(names) - shown}" if shown < len(names) else ""
+        text = ", ".join(names[:shown]) + more
+        if len(text) <= limit:
             return text
+        if shown == 1:
+            return names[0][:max(4, limit - len(more) - 2)] + ".." + more
     return ""
 
 
@@ -81,18 +87,18 @@ def shortened(text: str, limit: int) -> str:
     return f"{text[:head]}..{text[len(text) - (limit - 2 - head):]}"
 
 
-def plan_rows(plan: Any, by: str = "module", all_rows: bool = False, ops_width: int = OPS_WIDTH
+def plan_rows(plan: Any, by: str = "module", all_rows: bool = False, ops_width: int | None = OPS_WIDTH
               ) -> tuple[list[list[Any]], list[str], int]:
     """(rows with a totals row last, headers, groups not shown). Without `all_rows` only the groups that
     keep or recompute bytes are listed. Grouped by module, a row also names the module's ops (as many as
-    fit in `ops_width` characters)."""
+    fit in `ops_width` characters; None: no ops column)."""
     groups = _group(plan.nodes, by)
     kept_all, rec_all, flops_all = _totals(list(plan.nodes))
     unit, scale = _units(max(kept_all, rec_all))
     funit, fscale = _flop_unit(flops_all)
 
     def row(label: str, ops: str, kept: int, recomputed: int, flops: int, decision: str) -> list[Any]:
-        return [label] + ([ops] if by == "module" else []) + [kept / scale, recomputed / scale,
+        return [label] + ([ops] if by == "module" and ops_width else []) + [kept / scale, recomputed / scale,
                                                               f"{flops / fscale:,.2f}", decision]
 
     rows, hidden = [], 0
@@ -101,7 +107,7 @@ def plan_rows(plan: Any, by: str = "module", all_rows: bool = False, ops_width: 
         if not all_rows and kept == 0 and recomputed == 0:
             hidden += 1
             continue
-        label = op_names([r.op for r in group if r.op != "getitem"] or ["getitem"], ops_width)
+        label = op_names([r.op for r in group if r.op != "getitem"] or ["getitem"], ops_width or OPS_WIDTH)
         rows.append(row(key, label, kept, recomputed, flops, _decision(group)))
     values = [r for r in plan.nodes if r.bytes > 0]
     n_rec = sum(r.decision == "recompute" for r in values)
@@ -120,7 +126,8 @@ def _solver_text(plan: Any) -> str:
         return f"{plan.solver}: optimal (proven), {took}"
     if plan.solver_gap >= NO_BOUND_GAP:
         return f"{plan.solver}: {plan.solver_status}, not proven optimal (no lower bound, gap unknown), {took}"
-    return f"{plan.solver}: {plan.solver_status}, gap {plan.solver_gap * 100:.2f}%, {took}"
+    return (f"{plan.solver}: {plan.solver_status}, gap {plan.solver_gap * 100:.2f}% (the plan's recompute cost is at "
+            f"most that share above the least possible), {took}")
 
 
 def _step_rows(plan: Any) -> list[list[str]]:
@@ -201,14 +208,15 @@ def summary_rows(plan: Any) -> list[list[str]]:
     return _step_rows(plan)
 
 
-def _legend(plan: Any, by: str, width: int = WIDTH) -> str:
+def _legend(plan: Any, by: str, width: int = WIDTH, ops_left_out: bool = False) -> str:
+    """What the table's columns mean (the solver's gap is said where it is shown: the summary's solver row)."""
     lines = [f"kept: bytes saved for backward, per {by}; recomputed: bytes backward recomputes instead of keeping "
              "them; recompute cost: the forward work done again",
              "recompute k of n: k of the n values backward needs from this "
              f"{by} are recomputed, the others kept (views cost nothing and are not counted)"]
-    if plan.solver not in ("none",) and plan.solver_status != "optimal":
-        lines.append("gap: how far the plan's recompute cost may be above the least possible, as a share of it "
-                     "(0% = proven optimal)")
+    if ops_left_out:
+        lines.append("the ops column is left out to keep the module paths whole within the width "
+                     "(table(width=...) widens it; --by op groups by op)")
     return "\n".join(textwrap.fill(line, width, subsequent_indent="  ") for line in lines)
 
 
@@ -236,34 +244,38 @@ def format_plan(plan: Any, by: str = "module", all_rows: bool = False, width: in
     elif plan.devices:
         sections.append(format_devices(plan))
     if all_rows or not (plan.pipeline or plan.devices):
-        body, hidden = _plan_table(plan, by, all_rows, width)
+        body, hidden, ops_left_out = _plan_table(plan, by, all_rows, width)
         note = (f"\n({hidden} {by}s that keep and recompute nothing are not shown; --all or "
                 "table(all_rows=True) lists them)") if hidden else ""
-        sections.append(body + note + "\n" + _legend(plan, by, min(WIDTH, width)))
+        sections.append(body + note + "\n" + _legend(plan, by, min(WIDTH, width), ops_left_out))
     sections.append(two_columns(summary_rows(plan), width))
     return "\n\n".join(sections)
 
 
-def _plan_table(plan: Any, by: str, all_rows: bool, width: int) -> tuple[str, int]:
-    """The rows' table within `width` columns where it can be: the ops column narrowed first, then the
-    first column's names (module paths) shortened in the middle. Returns (text, groups not shown)."""
-    ops_width, name_width = OPS_WIDTH, None
+def _plan_table(plan: Any, by: str, all_rows: bool, width: int) -> tuple[str, int, bool]:
+    """The rows' table within `width` columns where it can be, cutting what matters least first: the ops
+    column narrowed (down to MIN_OPS_WIDTH), then left out, and only then the first column's names (module
+    paths) shortened in the middle; the totals row's label stays whole. Returns (text, groups not shown,
+    whether the ops column was left out)."""
+    ops_width: int | None = OPS_WIDTH if by == "module" else None
+    name_width = None
     while True:
         rows, headers, hidden = plan_rows(plan, by, all_rows, ops_width)
         if name_width is not None:
-            rows = [[shortened(str(r[0]), name_width)] + r[1:] for r in rows]
+            rows = [[shortened(str(r[0]), name_width)] + r[1:] for r in rows[:-1]] + rows[-1:]
         body = tabulate(rows, headers=[h.replace(" (", "\n(") for h in headers], tablefmt="simple", floatfmt=",.2f")
         excess = max(len(line) for line in body.splitlines()) - width
-        if excess > 0 and by == "module" and ops_width > 16:
-            ops_width = max(16, ops_width - excess)
-        elif excess > 0 and (name_width is None or name_width > 16):
-            name_width = max(16, (name_width or max(len(str(r[0])) for r in rows)) - excess)
+        if excess > 0 and ops_width is not None:
+            ops_width = None if ops_width <= MIN_OPS_WIDTH else max(MIN_OPS_WIDTH, ops_width - excess)
+        elif excess > 0 and (name_width is None or name_width > MIN_NAME_WIDTH):
+            longest = max(len(str(r[0])) for r in rows[:-1]) if len(rows) > 1 else MIN_NAME_WIDTH
+            name_width = max(MIN_NAME_WIDTH, (name_width or longest) - excess)
         else:
             break
     lines = body.splitlines()
     rule = next(i for i, line in enumerate(lines) if line and set(line) <= {"-", " "})
     lines.insert(len(lines) - 1, lines[rule])  # a rule above the totals row
-    return "\n".join(lines), hidden
+    return "\n".join(lines), hidden, by == "module" and ops_width is None
 
 
 def two_columns(rows: list[list[str]], width: int = TABLE_WIDTH) -> str:

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from fxmem.api import model_device, optimize
+from fxmem.api import OPTIMIZE_SPELLINGS, model_device, optimize
 from fxmem.api import plan as make_plan
 from fxmem.errors import InfeasibleBudgetError, fmt_bytes
 from fxmem.planner.plan import Plan
@@ -148,7 +148,7 @@ def fit_batch(model: torch.nn.Module, example_inputs: Sequence[Any], budget_gb: 
     if best is None:
         raise min(refusals, key=lambda e: e.min_budget_bytes)  # the smallest micro-batch's: the least budget
     chosen, plans = best
-    accepted = inspect.signature(optimize).parameters
+    accepted = set(inspect.signature(optimize).parameters) | set(OPTIMIZE_SPELLINGS)  # loss_fn=, time_limit_s=, ...
     module = optimize(model, budget_gb=budget_gb, **{k: v for k, v in options.items() if k in accepted})
     fit = BatchFit(module, chosen.micro_batch, chosen.steps, batch, tuple(plans),
                    tuple(sorted(candidates, key=lambda c: c.micro_batch)), plans[0].budget_bytes)

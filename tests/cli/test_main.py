@@ -266,3 +266,29 @@ def test_meta_builds_the_model_without_weights_and_plans_it_alike(capsys, tmp_pa
 def test_help_shows_meta():
     out = run("--help").stdout
     assert "--meta --target h100" in out and "torch.device(\"meta\")" in out
+
+
+def test_plot_without_matplotlib_is_refused_before_planning(capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    monkeypatch.setattr(fxmem, "plan", lambda *a, **k: pytest.fail("planned before checking for matplotlib"))
+    code, out, err = cli(capsys, "mlp-tiny", "--budget-gb", "1", "--plot", str(tmp_path / "t.png"))
+    assert code == 2 and out == "" and not (tmp_path / "t.png").exists()
+    assert err.splitlines() == ["fxmem-plan: drawing the memory timeline needs matplotlib: pip install 'fxmem[plot]' "
+                                "(or pip install matplotlib)"]
+
+
+def test_optimizer_counts_in_the_plan(capsys, tmp_path):
+    counted, plain = tmp_path / "adamw.json", tmp_path / "none.json"
+    code, out, err = cli(capsys, "mlp-tiny", "--budget-gb", "1", "--optimizer", "adamw", "--quiet", "--out", str(counted))
+    assert code == 0, err
+    code, _, err = cli(capsys, "mlp-tiny", "--budget-gb", "1", "--quiet", "--out", str(plain))
+    assert code == 0, err
+    with_state, without = fxmem.Plan.load(counted), fxmem.Plan.load(plain)
+    parameters = sum(p.numel() * p.element_size() for p in models.from_name("mlp-tiny").parameters())
+    assert with_state.optimizer_state_bytes == 2 * parameters and without.optimizer_state_bytes == 0  # exp_avg, exp_avg_sq
+    assert with_state.predicted_peak_bytes == without.predicted_peak_bytes + 2 * parameters
+    assert "of which optimizer state" in out
+    # the least budget the refusal names counts the state too
+    least = with_state.predicted_peak_bytes / 2**30 / 2
+    code, _, err = cli(capsys, "mlp-tiny", "--budget-gb", f"{least:.6f}", "--optimizer", "adamw", "--quiet")
+    assert code == 2 and "optimizer" in err, err

@@ -16,7 +16,8 @@ from tests.conftest import GIB
 def recomputing_plan():
     model, inputs = models.from_name("mlp-tiny"), models.example_inputs("mlp-tiny", 512)
     eager = fxmem.plan(model, inputs)
-    return fxmem.plan(model, inputs, budget_gb=eager.baseline_peak_bytes * 0.9 / GIB, solver="greedy")
+    return fxmem.plan(model, inputs, budget_gb=eager.baseline_peak_bytes * 0.9 / GIB, solver="greedy",
+                      eager_meter=True)
 
 
 def png_size(path) -> tuple[int, int]:
@@ -52,3 +53,22 @@ def test_missing_matplotlib_is_a_clear_error(recomputing_plan, tmp_path, monkeyp
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     with pytest.raises(fxmem.FxmemError, match=r"pip install 'fxmem\[plot\]'"):
         plot_timeline(recomputing_plan, tmp_path / "x.png")
+
+
+def test_the_picture_names_each_peak_as_the_table_does(recomputing_plan, tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    legends, save = [], Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (
+        legends.append([t.get_text() for t in fig.axes[0].get_legend().get_texts()]), save(fig, *a, **k))[1])
+    plan = recomputing_plan
+    plot_timeline(plan, tmp_path / "t.png")
+    (labels,) = legends
+    table = plan.table()
+    keep_all = next(label for label in labels if label.startswith("keep-all step"))
+    eager = next(label for label in labels if label.startswith("PyTorch eager's peak"))
+    assert plan.eager_peak_bytes != plan.baseline_peak_bytes  # two figures, each under its own name
+    for label, figure in ((keep_all, plan.baseline_peak_bytes), (eager, plan.eager_peak_bytes)):
+        assert f"{figure / 2**20:,.2f} MiB" in label
+    assert "keep-all peak" in table and "PyTorch eager's peak" in table and not any(
+        label.startswith("eager") for label in labels)

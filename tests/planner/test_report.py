@@ -1,5 +1,6 @@
 """Plan tables (fxmem/planner/report.py): rows that carry bytes or decisions, a totals row that adds up, units in
-the headers, a legend, a solver line that says what its gap means, stage and device summaries."""
+the headers, a legend of the columns shown, a solver line that says what its gap means, tables within 120 columns
+that cut op names before module paths, stage and device summaries."""
 from __future__ import annotations
 
 import dataclasses
@@ -49,11 +50,14 @@ def test_decisions_legend_and_gap(gpt_plan):
     assert "kept: bytes saved for backward" in text and "not shown; --all" in text
     solver = {status: dataclasses.replace(gpt_plan, solver="layered", solver_status=status, solver_gap=gap).table()
               for status, gap in (("optimal", 0.0), ("feasible", 1.0))}
-    assert "layered: optimal (proven)" in solver["optimal"] and "gap:" not in solver["optimal"]
+    assert "layered: optimal (proven)" in solver["optimal"]
     assert "layered: feasible, not proven optimal (no lower bound, gap unknown)" in solver["feasible"]
-    assert "100.00%" not in solver["feasible"] and "gap: how far the plan's recompute cost" in solver["feasible"]
+    assert "100.00%" not in solver["feasible"]
     bounded = dataclasses.replace(gpt_plan, solver="cpsat", solver_status="feasible", solver_gap=0.031).table()
-    assert "cpsat: feasible, gap 3.10%" in bounded
+    assert "cpsat: feasible, gap 3.10% (the plan's recompute cost is at most that share above the least possible)" \
+        in " ".join(bounded.split())  # the gap is explained where it is shown: the table has no gap column
+    for text in (*solver.values(), bounded):
+        assert "gap:" not in text and "gap" not in text.split("\n\n")[1]
     eager = dataclasses.replace(gpt_plan, solver="none", solver_status="optimal", solver_gap=0.0).table()
     assert "not run: the eager step fits the budget" in eager
 
@@ -126,3 +130,26 @@ def test_a_transformers_gpt2_plan_table_fits_120_columns():
     assert text.count("PyTorch eager's peak") == 1 and "keep-all peak" in text  # one figure to compare with
     with pytest.raises(ValueError, match="width must be"):
         plan.table(width=10)
+
+
+def test_a_transformers_llama_table_keeps_module_paths_whole_within_120_columns():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=256, max_position_embeddings=64, use_cache=False,
+                                      attn_implementation="sdpa", bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    ids = torch.randint(0, 256, (2, 32))
+    plan = fxmem.plan(transformers.LlamaForCausalLM(config), (), example_kwargs={"input_ids": ids, "labels": ids})
+    for table in (plan.table(), plan.table(by="op"), plan.table(all_rows=True)):
+        assert max(len(line) for line in table.splitlines()) <= 120, table
+    text = plan.table(all_rows=True)
+    paths = {r.module for r in plan.nodes if r.module}
+    assert "model.layers.0.post_attention_layernorm" in paths
+    for path in paths:  # whole, never cut in the middle
+        assert re.search(rf"^{re.escape(path)} ", text, re.M), path
+    modules = len({r.module for r in plan.nodes})
+    assert f"total ({modules} modules)" in text
+    assert re.search(r"  _scaled_dot\S*\.\. \+\d+ ", text)  # the op name is what is cut
+    narrow = plan.table(width=105)  # too narrow for the ops column: it goes before any module path is cut
+    assert "model.layers.0.post_attention_layernorm" in narrow and "_scaled_dot" not in narrow.split("\n\n")[1]
+    assert "the ops column is left out" in narrow and max(len(line) for line in narrow.splitlines()) <= 105

@@ -82,3 +82,12 @@ def test_a_costly_step_makes_fewer_larger_micro_batches_the_choice(gpt):
     assert (fit.micro_batch, fit.steps) == (GLOBAL, 1)
     by_size = {c.micro_batch: c.seconds_per_sample for c in fit.candidates if c.fits}
     assert by_size[GLOBAL] < min(t for size, t in by_size.items() if size != GLOBAL)
+
+
+def test_the_module_fit_batch_returns_computes_the_loss_fn(gpt):
+    """`loss_fn=` reaches the optimized module as well as the plans: it is called with target= as the plans were."""
+    model, (x, y) = gpt
+    ce = lambda logits, target: torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())  # noqa: E731
+    fit = fxmem.fit_batch(model, (x,), 1.0, loss_fn=ce, example_target=y, time_limit_s=0.5, quiet=True)
+    ((args, kwargs),) = fit.split(x, target=y)
+    torch.testing.assert_close(fit.module(*args, **kwargs), model(x, y), rtol=0, atol=0)

@@ -6,6 +6,7 @@ import torch
 
 import fxmem
 from fxmem import models
+from fxmem.errors import fmt_bytes
 from fxmem.tools.estimate import estimate
 from fxmem.measure import _StepTracker, measure_peak_bytes
 
@@ -63,9 +64,23 @@ def test_table_names_the_largest_modules_and_optimizer():
     model, inputs = models.from_name("mlp-tiny"), models.example_inputs("mlp-tiny")
     est = estimate(model, inputs, torch.optim.AdamW(model.parameters()))
     assert est.optimizer_state == 2 * est.parameters
-    assert est.total == est.peak_step + est.optimizer_state
+    assert est.total == est.eager_peak + est.optimizer_state
     text = est.table()
     assert "optimizer state (AdamW)" in text and est.by_module[0][0] in text
+
+
+def test_the_two_peaks_are_the_plan_tables_under_its_names():
+    """PyTorch eager's peak and fxmem's keep-all peak are different steps: each figure is shown under the
+    name the plan table gives it, and is the plan's figure of that name."""
+    model, inputs = models.from_name("gpt-tiny"), models.example_inputs("gpt-tiny")
+    est, plan = estimate(model, inputs), fxmem.plan(model, inputs, eager_meter=True)
+    assert est.eager_peak == plan.eager_peak_bytes and est.peak_step == plan.baseline_peak_bytes
+    assert est.eager_peak > est.peak_step  # eager saves more than fxmem's keep-all step on this GPT
+    for text in (est.table(), plan.table()):
+        flat = " ".join(text.split())
+        assert f"PyTorch eager's peak {fmt_bytes(est.eager_peak)} (" in flat
+        assert f"keep-all peak {fmt_bytes(est.peak_step)} (fxmem's step with nothing recomputed" in flat
+    assert "peak of one step" not in est.table()
 
 
 def _gpt2_with_loss():

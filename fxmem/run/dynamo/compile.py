@@ -3,7 +3,8 @@
 
 A compile call's settings are checked and its budget turned into bytes once (`settings_of`); one ledger per
 call (`fxmem.run.dynamo.ledger`) records each graph's plan and what the rest of the step holds while it runs.
-Reads nothing from disk; writes each graph's plan to `plan_out` (`<stem>.<k>.json`) when asked.
+Reads nothing from disk; writes each graph's plan to `plan_out` (`<stem>.<k>.json`) when asked, and on a terminal
+the progress line `fxmem.plan` shows while a graph is planned and compiled (`fxmem.progress.planning`).
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ from fxmem.run.inductor.step import INNERS, has_cxx_compiler, replays_random
 from fxmem.run.dynamo.ledger import GraphRecord, Ledger
 from fxmem.planner.plan import Plan
 from fxmem.planner.planner import Planner, PlanRequest
+from fxmem.planner.report import short_signature
+from fxmem.progress import planning
 
 log = logging.getLogger("fxmem")
 
@@ -142,13 +145,16 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], setti
                           model=ledger.model_name or f"dynamo graph {index}", capture=_where(gm, index, ledger),
                           signature=f"({', '.join(map(describe_input, example_inputs))})")
     planner = planner_for(request, record)
-    if inner == "inductor":
-        try:
-            return _counted(_compile_inductor(gm, example_inputs, planner), record)
-        except ImportError as exc:  # pragma: no cover - inductor missing from this build
-            warnings.warn(f"fxmem backend: Inductor unavailable ({exc}); running the planned graphs with "
-                          "aot_eager instead (the budget still applies)", stacklevel=2)
-    return _counted(_compile_aot_eager(gm, example_inputs, planner), record)
+    where = request.capture.split(", ended by")[0]  # 'Dynamo graph k of n'
+    title = f"planning {ledger.model_name + ', ' if ledger.model_name else ''}{where} {short_signature(request.signature)}"
+    with planning(title, request.time_limit_s):  # the progress line fxmem.plan shows (inside fxmem.optimize: silent)
+        if inner == "inductor":
+            try:
+                return _counted(_compile_inductor(gm, example_inputs, planner), record)
+            except ImportError as exc:  # pragma: no cover - inductor missing from this build
+                warnings.warn(f"fxmem backend: Inductor unavailable ({exc}); running the planned graphs with "
+                              "aot_eager instead (the budget still applies)", stacklevel=2)
+        return _counted(_compile_aot_eager(gm, example_inputs, planner), record)
 
 
 def _refuse_dynamic_shapes(example_inputs: Sequence[Any]) -> None:

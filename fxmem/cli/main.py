@@ -32,6 +32,8 @@ examples:
   fxmem-plan gpt-small --budget-gb 2 --max-batch    largest batch that fits at <= 10% predicted overhead
   fxmem-plan gpt-small --budget-gb 1 --global-batch 64
                                                     micro-batch x accumulation steps = 64, fastest under 1 GiB
+  fxmem-plan gpt-small --budget-gb 2 --profile --no-cache
+                                                    plan afresh and say where the time went, stage by stage
   fxmem-plan gpt-small --batch-size 64 --check gpt.plan.json
                                                     does a saved plan still apply to this model/shape/torch?
   fxmem-plan gpt-tiny --budget-gb 0.003 --stages 2 --microbatches 4 --out pipe.plan.json
@@ -115,6 +117,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--check", metavar="PLAN_JSON", help="check that a saved plan applies to MODEL at this "
                    "batch/shape/dtype and torch version; print what differs")
     p.add_argument("--quiet", action="store_true", help="no progress output on stderr")
+    p.add_argument("--profile", action="store_true", help="print where the time went: capture, eager's meter, "
+                   "the joint graph's trace, pricing, solving, simulating, rewriting, compiling")
+    p.add_argument("--no-cache", action="store_true", help="plan afresh: neither read nor keep plans in the plan "
+                   "cache (FXMEM_CACHE_DIR, default ~/.cache/fxmem; FXMEM_CACHE=0 does the same)")
     p.add_argument("--list-models", action="store_true", help="list the zoo presets and exit")
     return p
 
@@ -294,6 +300,19 @@ def run(args: argparse.Namespace) -> None:
         _write(args, plan)
 
 
+def _profiled(args: argparse.Namespace) -> None:
+    """`run`, then where its time went, stage by stage (`fxmem.stage_times`)."""
+    import time
+
+    from fxmem import stage_times
+
+    start = time.perf_counter()
+    with stage_times.recording() as seconds:
+        run(args)
+    print()
+    print(stage_times.table(seconds, time.perf_counter() - start).replace("of planning", "of this command"))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The exit status: 0, 2 on an error (said in one line), 130 interrupted, 141 when the reader of
     the output left (`fxmem-plan --list-models | head`: stop quietly, as Unix tools do on SIGPIPE)."""
@@ -318,8 +337,13 @@ def _main(argv: Sequence[str] | None) -> int:
         parser.error("give a MODEL (see --list-models and the examples in --help)")
     from fxmem.errors import FxmemError
 
+    if args.no_cache:
+        os.environ["FXMEM_CACHE"] = "0"  # every plan this command makes, however it is reached
     try:
-        run(args)
+        if args.profile:
+            _profiled(args)
+        else:
+            run(args)
     except BrokenPipeError:
         raise
     except (CliError, FxmemError, ValueError, KeyError, OSError) as exc:

@@ -7,6 +7,7 @@ import copy
 import json
 import re
 import struct
+import os
 import subprocess
 import sys
 import textwrap
@@ -292,3 +293,20 @@ def test_optimizer_counts_in_the_plan(capsys, tmp_path):
     least = with_state.predicted_peak_bytes / 2**30 / 2
     code, _, err = cli(capsys, "mlp-tiny", "--budget-gb", f"{least:.6f}", "--optimizer", "adamw", "--quiet")
     assert code == 2 and "optimizer" in err, err
+
+
+def test_profile_says_where_the_time_went_and_no_cache_keeps_no_plan(tmp_path):
+    env = {**os.environ, "FXMEM_CACHE": "1", "FXMEM_CACHE_DIR": str(tmp_path)}
+    argv = ["gpt-tiny", "--budget-gb", "0.003", "--time-limit", "2", "--quiet", "--profile"]
+    done = subprocess.run([sys.executable, "-m", "fxmem.cli.main", *argv, "--no-cache"], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.split("where the ", 1)[1].splitlines()
+    assert lines[0].endswith("s of this command went:")
+    stages = {line.split()[0] for line in lines[1:] if line.strip()}
+    assert {"capture", "solve", "simulate", "price"} <= stages
+    assert not list(tmp_path.rglob("*.json"))  # --no-cache: nothing kept
+    kept = subprocess.run([sys.executable, "-m", "fxmem.cli.main", *argv], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert kept.returncode == 0, kept.stderr
+    assert len(list(tmp_path.rglob("*.json"))) == 1

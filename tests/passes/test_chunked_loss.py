@@ -45,6 +45,33 @@ def test_function_equals_cross_entropy(chunks, reduction, smoothing):
         torch.testing.assert_close(a, b, **TOL)
 
 
+@pytest.mark.parametrize("chunks", [1, 2, 7])
+@pytest.mark.parametrize("reduction,smoothing", [("mean", 0.0), ("sum", 0.1)])
+def test_function_on_shifted_rows_with_a_z_loss_equals_eager(chunks, reduction, smoothing):
+    """Targets for the rows a shift keeps (`logits[:, :-1]`), the others ignored; the log-sum-exp of every
+    row returned with its gradient, read by z-loss terms on the shifted rows and on all of them."""
+    torch.manual_seed(chunks)
+    hidden = torch.randn(4, 9, 16, requires_grad=True)  # 36 rows, 32 targets
+    weight, bias = torch.randn(50, 16, requires_grad=True), torch.randn(50, requires_grad=True)
+    target = torch.randint(0, 50, (4, 9))
+    target[0, :3] = -100
+    logits = F.linear(hidden, weight, bias)
+    expected = F.cross_entropy(logits[:, :-1].flatten(0, 1), target[:, 1:].flatten(), reduction=reduction,
+                               label_smoothing=smoothing)
+    expected = expected + 1e-2 * torch.logsumexp(logits[:, :-1], -1).pow(2).mean() \
+        + 1e-3 * torch.logsumexp(logits, -1).pow(2).sum()
+    want = torch.autograd.grad(expected, (hidden, weight, bias))
+    loss, lse = chunked_linear_cross_entropy(hidden, weight, bias, target[:, 1:], chunks, reduction, -100, smoothing,
+                                             rows=((0, 4, 1), (0, 8, 1)), logsumexp=True)
+    assert lse.shape == (4, 9)
+    got = loss + 1e-2 * lse[:, :-1].pow(2).mean() + 1e-3 * lse.pow(2).sum()
+    torch.testing.assert_close(got, expected, **TOL)
+    for a, b in zip(torch.autograd.grad(got, (hidden, weight, bias)), want):
+        torch.testing.assert_close(a, b, **TOL)
+    with pytest.raises(ValueError, match="rows selected"):
+        chunked_linear_cross_entropy(hidden, weight, bias, target, chunks, rows=((0, 4, 1), (0, 8, 1)))
+
+
 def test_bf16_weight_gradient_is_summed_in_fp32_and_as_close_to_exact_as_eagers():
     """Each chunk's bf16 products are summed in fp32 with the other chunks' (not rounded to bf16 chunk by
     chunk), as eager's one matmul over every token sums them: the error against float64 is eager's, in

@@ -330,3 +330,38 @@ def test_loss_fn_path_chunks_and_the_plan_is_refused_on_another_model(tmp_path, 
     other, _ = _gpt2(n_embd=32)
     with pytest.raises(PlanMismatchError):
         fxmem.optimize(other, plan=loaded, loss_fn=ce)(ids, target=ids)
+
+
+@pytest.mark.parametrize("name", [*LOSSES, "labels= with num_items_in_batch"])
+def test_losses_people_write_chunk_where_the_budget_needs_it_and_train_as_eager(name, monkeypatch):
+    """At half of what any plan with the logits whole needs (the parameters, the log-softmax and its
+    gradient), the planner computes the loss in chunks, meets the budget, and two SGD steps are eager's."""
+    import fxmem.planner.loss_chunks
+
+    monkeypatch.setattr(fxmem.planner.loss_chunks, "MAX_CHUNKS", 8)  # fewer chunk counts to plan: seconds
+    model, ids = _gpt2(vocab=2000)
+    target, reference = _labels(ids), copy.deepcopy(model)
+    whole = sum(p.numel() * p.element_size() for p in model.parameters()) + 2 * 126 * 2000 * 4
+    if name in LOSSES:
+        loss_fn, kwargs = LOSSES[name], {"target": target}
+        optimized = fxmem.optimize(model, budget_gb=whole / 2 / GIB, loss_fn=loss_fn, time_limit_s=1)
+        step, eager = lambda: optimized(ids, **kwargs), lambda: loss_fn(reference(ids), target)
+    else:  # transformers' ForCausalLMLoss: reduction="sum" divided by the count
+        kwargs = {"labels": target, "num_items_in_batch": (target[:, 1:] != -100).sum()}
+        optimized = fxmem.optimize(model, budget_gb=whole / 2 / GIB, keep_outputs=False, time_limit_s=1)
+        step, eager = lambda: optimized(ids, **kwargs).loss, lambda: reference(ids, **kwargs).loss
+    sgd, eager_sgd = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(reference.parameters(), lr=0.5)
+    for _ in range(2):
+        sgd.zero_grad(set_to_none=True)
+        eager_sgd.zero_grad(set_to_none=True)
+        loss, expected = step(), eager()
+        loss.backward()
+        expected.backward()
+        torch.testing.assert_close(loss, expected, **TOL)
+        _assert_grads_close(model, reference)
+        sgd.step()
+        eager_sgd.step()
+    assert optimized.plan.loss_chunks > 1, optimized.plan.table()
+    sgd.zero_grad(set_to_none=True)
+    measured = measure_peak_bytes(optimized, (ids,), kwargs, warmup=False)
+    assert measured <= whole / 2, f"measured {measured} > budget {whole / 2}"

@@ -17,7 +17,7 @@ Prints a markdown table.
 
 examples:
   python scripts/bench_loss_forms.py --shape 2x128x4x512 --vocab 32000
-  python scripts/bench_loss_forms.py --shape 12x768x8x1024 --forms flat shift --budget-gb 3
+  python scripts/bench_loss_forms.py --shape 12x768x8x1024 --vocab 50257 --forms flat shift --budget-gb 3
 """
 from __future__ import annotations
 
@@ -64,13 +64,15 @@ LOSS_FNS = {
 FORMS = (*LOSS_FNS, "labels", "labels-count")
 
 
-def gpt2_on_meta(shape: str, vocab: int):
-    """A transformers GPT-2 of `shape` (layers x width x batch x sequence) on the meta device, and token ids."""
+def gpt2_on_meta(shape: str, vocab: int, dropout: float | None = None):
+    """A transformers GPT-2 of `shape` (layers x width x batch x sequence) on the meta device, and token ids;
+    dropout GPT-2's own (0.1) unless given."""
     import transformers
 
     layers, width, batch, seq = map(int, shape.split("x"))
+    rates = {} if dropout is None else {"resid_pdrop": dropout, "embd_pdrop": dropout, "attn_pdrop": dropout}
     config = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=max(1, width // 64), n_positions=seq,
-                                     vocab_size=vocab, use_cache=False)
+                                     vocab_size=vocab, use_cache=False, **rates)
     with torch.device("meta"):
         model = transformers.GPT2LMHeadModel(config).train()
     return model, torch.randint(0, vocab, (batch, seq), device="meta")
@@ -97,9 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--forms", nargs="+", choices=FORMS, default=list(FORMS))
     parser.add_argument("--target", default="h100")
     parser.add_argument("--budget-gb", type=float, default=None, help="also plan each form at this budget")
-    parser.add_argument("--time-limit", type=float, default=2.0)
+    parser.add_argument("--time-limit", type=float, default=5.0)
+    parser.add_argument("--dropout", type=float, default=None, help="every dropout rate (GPT-2's 0.1 unless given)")
     args = parser.parse_args(argv)
-    model, ids = gpt2_on_meta(args.shape, args.vocab)
+    model, ids = gpt2_on_meta(args.shape, args.vocab, args.dropout)
     rows = []
     for form in args.forms:
         started = time.perf_counter()

@@ -7,7 +7,15 @@ them; it saves the hidden states (which eager saves too), the log-sum-exp per to
 Backward makes each chunk's logits again (the lm head's matmul once more), turns them into their
 gradient and frees them. The sums are the same as `torch.nn.functional.cross_entropy`'s (mean over
 the tokens that are not `ignore_index` across all chunks, label smoothing as torch defines it), in
-another order: results equal eager's to float reassociation. Reads and writes nothing else.
+another order: results equal eager's to float reassociation.
+
+Where the targets belong to some of the hidden states' rows only (`rows`: a slice of the logits before
+they are flattened, as the shifted causal-LM loss `logits[:, :-1]` takes), the other rows are
+computed as ignored tokens: their logits are made (1/seq more of the lm head for a shift) and add
+nothing to the loss, the count or the gradients. With `logsumexp`, the log-sum-exp of every row's
+logits is returned too, with its gradient (the softmax, which backward makes anyway), as a z-loss
+(`logsumexp(logits, -1).pow(2)`) reads it: the same values as `torch.logsumexp` of eager's logits, so
+that term needs no logits either. Reads and writes nothing else.
 """
 from __future__ import annotations
 
@@ -25,7 +33,7 @@ def chunk_bounds(tokens: int, chunks: int) -> list[tuple[int, int]]:
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, chunks, reduction, ignore_index, smoothing, dtype):
+    def forward(ctx, hidden, weight, bias, target, chunks, reduction, ignore_index, smoothing, dtype, with_lse):
         vocab = weight.shape[0]
         valid = target != ignore_index
         safe = torch.where(valid, target, torch.zeros_like(target)).unsqueeze(1)
@@ -44,17 +52,21 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         count = valid.sum()
         if reduction == "mean":
             loss = loss / count
-        ctx.save_for_backward(hidden, weight, bias, target, torch.cat(lse_parts), count)
+        lse = torch.cat(lse_parts)
+        ctx.save_for_backward(hidden, weight, bias, target, lse, count)
         ctx.options = (chunks, reduction, ignore_index, smoothing, dtype)
-        return loss
+        ctx.set_materialize_grads(False)
+        return (loss, lse) if with_lse else loss
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, grad_lse=None):
         hidden, weight, bias, target, lse, count = ctx.saved_tensors
         chunks, reduction, ignore_index, smoothing, dtype = ctx.options
         want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
         vocab, mm_dtype = weight.shape[0], ctx.logits_dtype
         acc_dtype = torch.promote_types(weight.dtype, torch.float32)  # sums over chunks: at least fp32
+        if grad_loss is None:  # only the log-sum-exp is read
+            grad_loss = torch.zeros((), dtype=dtype, device=hidden.device)
         scale = grad_loss / count if reduction == "mean" else grad_loss
         valid = target != ignore_index
         safe = torch.where(valid, target, torch.zeros_like(target)).unsqueeze(1)
@@ -66,11 +78,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             h = hidden[start:stop].to(mm_dtype)
             logits = F.linear(h, w, b).to(dtype)
             grad = torch.exp(logits - lse[start:stop].unsqueeze(1))
+            probs = grad if grad_lse is not None else None  # the softmax, held only where the z-loss needs it
             if smoothing:
                 grad = grad - smoothing / vocab
             picked = torch.full((stop - start, 1), smoothing - 1.0, dtype=dtype, device=hidden.device)
             grad = torch.scatter_add(grad, 1, safe[start:stop], picked)
-            grad = (grad * row_scale[start:stop].unsqueeze(1)).to(mm_dtype)
+            grad = grad * row_scale[start:stop].unsqueeze(1)
+            if grad_lse is not None:  # d logsumexp / d logits is the softmax
+                grad = grad + probs * grad_lse[start:stop].to(dtype).unsqueeze(1)
+            grad = grad.to(mm_dtype)
             if want_hidden:
                 grad_hidden.append((grad @ w).to(hidden.dtype))
             # The weight gradient: one weight-sized sum alive besides the one made (addmm where the dtypes
@@ -93,22 +109,50 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return (torch.cat(grad_hidden) if want_hidden else None,
                 grad_weight.to(weight.dtype) if want_weight else None,
                 grad_bias.to(bias.dtype) if want_bias else None,
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                                  target: torch.Tensor, chunks: int, reduction: str = "mean",
                                  ignore_index: int = -100, label_smoothing: float = 0.0,
-                                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """`F.cross_entropy(F.linear(hidden, weight, bias).to(dtype).flatten(0, -2), target.flatten(),
-    reduction=..., ignore_index=..., label_smoothing=...)` made `chunks` tokens-chunks at a time."""
+                                 dtype: torch.dtype = torch.float32, rows: tuple | None = None,
+                                 logsumexp: bool = False):
+    """`F.cross_entropy(F.linear(hidden, weight, bias).to(dtype)[rows].flatten(0, -2), target.flatten(),
+    reduction=..., ignore_index=..., label_smoothing=...)` made `chunks` tokens-chunks at a time.
+    `rows`: None (every row), or a (start, stop, step) per leading dimension of `hidden` (step > 0): the
+    rows the targets belong to, in order. With `logsumexp`, returns (loss, the log-sum-exp of every
+    row's logits, shaped `hidden.shape[:-1]`)."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"chunked cross-entropy reduces by 'mean' or 'sum', got {reduction!r}")
     if not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_target = target.reshape(-1)
+    if rows is not None:
+        flat_target = _on_rows(flat_target, hidden.shape[:-1], rows, int(ignore_index))
     if flat_target.shape[0] != flat_hidden.shape[0]:
         raise ValueError(f"{flat_hidden.shape[0]} tokens of hidden states but {flat_target.shape[0]} targets")
-    return _ChunkedLinearCrossEntropy.apply(flat_hidden, weight, bias, flat_target, chunks, reduction,
-                                            int(ignore_index), float(label_smoothing), dtype)
+    out = _ChunkedLinearCrossEntropy.apply(flat_hidden, weight, bias, flat_target, chunks, reduction,
+                                           int(ignore_index), float(label_smoothing), dtype, bool(logsumexp))
+    if logsumexp:
+        loss, lse = out
+        return loss, lse.view(hidden.shape[:-1])
+    return out
+
+
+def _on_rows(target: torch.Tensor, lead: torch.Size, rows: tuple, ignore_index: int) -> torch.Tensor:
+    """`target` (one per row `rows` selects of a `lead`-shaped grid) placed on every row of the grid, the
+    rows not selected `ignore_index`."""
+    if len(rows) != len(lead) or any(step < 1 for _, _, step in rows):
+        raise ValueError(f"rows must be a (start, stop, step > 0) per leading dimension {tuple(lead)}, got {rows!r}")
+    index = torch.arange(lead.numel(), device=target.device).view(lead)[tuple(slice(*r) for r in rows)].reshape(-1)
+    if index.shape[0] != target.shape[0]:
+        raise ValueError(f"{index.shape[0]} rows selected but {target.shape[0]} targets")
+    return target.new_full((lead.numel(),), ignore_index).index_put((index,), target)
+
+
+def linear_logits_size(hidden: torch.Tensor, weight: torch.Tensor, dim: int | None = None):
+    """`F.linear(hidden, weight).size(dim)` without making the logits (a graph reading the size of the
+    logits it computes in chunks reads it here)."""
+    size = torch.Size((*hidden.shape[:-1], weight.shape[0]))
+    return size if dim is None else size[dim]

@@ -236,6 +236,7 @@ def _write(args: argparse.Namespace, plan: Any) -> None:
 
 def run(args: argparse.Namespace) -> None:
     import fxmem
+    from fxmem.cli.flags import refuse_unused
     from fxmem.progress import Progress
 
     if args.budget_gb is not None:
@@ -247,6 +248,10 @@ def run(args: argparse.Namespace) -> None:
     if args.policies and not args.estimate:
         raise CliError("--policies goes with --estimate (fxmem-plan MODEL --estimate --policies); "
                        "to plan under one policy, use --policy NAME")
+    try:
+        refuse_unused(args, _parser())  # every flag is read by this run, or refused here, before any work
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     make = model_factory(args.model, args.seq_len, args.meta)
     model, inputs = make(args.batch_size)
     from fxmem.run.engine import signature_of  # after the model is built: a model too big is refused sooner

@@ -310,3 +310,15 @@ def test_profile_says_where_the_time_went_and_no_cache_keeps_no_plan(tmp_path):
                           timeout=300, env=env)
     assert kept.returncode == 0, kept.stderr
     assert len(list(tmp_path.rglob("*.json"))) == 1
+
+
+@pytest.mark.parametrize("argv, text", [
+    (["--estimate", "--plot", "x.png"], "--plot does nothing with --estimate"),
+    (["--estimate", "--budget-gb", "2"], "--budget-gb does nothing with --estimate (it is read by a plan, "),
+    (["--check", "p.json", "--out", "x.json"], "--out does nothing with --check"),
+    (["--budget-gb", "2", "--max-overhead", "0.2"], "--max-overhead does nothing with a plan (it is read by --max-batch)"),
+    (["--budget-gb", "2", "--schedule", "gpipe"], "--schedule goes with --stages (pipeline stages)"),
+])
+def test_a_flag_the_run_would_ignore_is_refused_before_any_work(capsys, argv, text):
+    code, out, err = cli(capsys, "mlp-tiny", *argv)
+    assert code == 2 and out == "" and err.startswith(f"fxmem-plan: {text}"), err

@@ -34,9 +34,10 @@ log = logging.getLogger("fxmem")
 Simulate = Callable[[frozenset], Any]  # decision -> candidate (.recompute, .offloaded, .timeline.peak)
 RELAX_TRIES = 3  # simulations while spending slack
 MEMO_SIZE = 64
-# The lowest decision found per problem (and allocator) in this process: the searches are
-# time-limited, so a budget named as the least by one call must not be refused by the next one on a
-# busier machine.
+# The lowest decision found per problem (and allocator) in this process: the searches' limits are
+# counted, not timed (`fxmem.solve.effort`), so the same call finds the same decision on any machine load,
+# but a call with a shorter limit finds less: a budget named as the least by one call must not be refused
+# by the next.
 _LOWEST_FOUND: dict[tuple, frozenset[int]] = {}
 
 

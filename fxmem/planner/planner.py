@@ -381,7 +381,7 @@ class Planner:
             if target <= 0:
                 break
             solution = solved(solve, dataclasses.replace(problem, budget=target), self.request.solver, time_limit_s)
-            if solution.status == "infeasible":
+            if not solution.fits:  # "infeasible", or "unknown": nothing found within its limit
                 break
             candidate = simulate(solution.recompute, solution.offloaded)
             log.info("%s: %s in %.1f s, simulated peak %s, budget %s less a %s margin", solution.solver,

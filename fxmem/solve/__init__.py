@@ -7,4 +7,6 @@
   stages.py    contiguous pipeline stages under a per-stage memory budget (`StageProblem` -> `StagePlan`)
   placement.py contiguous regions of a model on several devices (`place_regions` -> `Placement`)
   partition.py the contiguous-partition dynamic programme that stages and placement share
+  effort.py    the searches' limits, counted work rather than seconds, so every run gives the same answer
+               (stages, placement and partition are dynamic programmes: no limit)
 """

@@ -107,3 +107,49 @@ def test_a_solve_asked_again_is_answered_from_memory():
     fxmem.planner.fitting.solved(counted, problem, "greedy", 1.0)
     fxmem.planner.fitting.solved(solve, problem, "greedy", 0.5)  # another solve function (a test's patch) is its own
     assert asked == [(problem.budget, 0.5), (problem.budget + 1, 0.5), (problem.budget, 1.0)]
+
+
+def _forget_searches():
+    """Clear what this process remembers of earlier searches, so the next plan searches again."""
+    from fxmem.solve.recompute import least
+
+    fxmem.planner.fitting.solved.cache_clear()
+    fxmem.planner.fitting._LOWEST_FOUND.clear()
+    least._FOUND.clear()
+
+
+def test_the_same_step_is_planned_the_same_beside_a_busy_thread(bounds):
+    """Limits are counted work, not seconds: a plan made again, with a thread spinning beside it, is the same."""
+    from tests.solve.test_deterministic import busy
+
+    model, inputs = _gpt()
+    least, eager_peak = bounds
+    budget = (least + 0.3 * (eager_peak - least)) / GIB
+    _forget_searches()
+    first = fxmem.plan(model, inputs, budget_gb=budget, time_limit_s=1)
+    _forget_searches()
+    with busy():
+        second = fxmem.plan(model, inputs, budget_gb=budget, time_limit_s=1)
+    assert first.recompute and first.recompute == second.recompute and first.saved == second.saved
+    assert first.predicted_peak_bytes == second.predicted_peak_bytes and first.solver == second.solver
+
+
+def test_a_solver_out_of_its_limit_is_not_asked_again(monkeypatch, bounds):
+    """A solve that found nothing within its limit ("unknown") proves nothing and offers no decision to
+    tighten: the planner asks it once, then searches the least budget, and names the least it found as found."""
+    model, inputs = _gpt()
+    least, _ = bounds
+    asked = []
+
+    def out_of_its_limit(problem, solver, time_limit_s):
+        asked.append(problem.budget)
+        return Solution(recompute=frozenset(), status="unknown", objective=0, peak=1 << 40, bound=0, gap=1.0,
+                        solve_time_s=0.0, solver=solver)
+
+    monkeypatch.setattr(fxmem.planner.planner, "solve", out_of_its_limit)
+    monkeypatch.setattr(fxmem.planner.planner, "least_peak", lambda problem, *_: LeastPeak(
+        peak=1 << 62, recompute=frozenset(), lower_bound=0, proven=False, method="out of its limit"))
+    with pytest.raises(fxmem.InfeasibleBudgetError) as refused:
+        fxmem.plan(model, inputs, budget_gb=0.5 * least / GIB, time_limit_s=1)
+    assert len(asked) == 1
+    assert not refused.value.proven and "least budget found" in str(refused.value)

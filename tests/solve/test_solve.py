@@ -111,7 +111,7 @@ def test_greedy_and_cpsat_feasible_between_min_peak_and_eager(name):
         greedy, exact = solve_greedy(p), solve_cpsat(p, 5.0)
         assert exact.status == "optimal" and is_feasible(p, exact.recompute)
         if budget >= peak_bytes(p, greedy_min_peak(p)):  # greedy reaches what its descent reaches
-            assert greedy.status != "infeasible" and is_feasible(p, greedy.recompute)
+            assert greedy.fits and is_feasible(p, greedy.recompute)
             assert exact.objective <= greedy.objective
 
 
@@ -139,7 +139,7 @@ def test_cpsat_matches_brute_on_random_problems():
         if brute.status == "optimal":
             assert exact.objective == brute.objective and is_feasible(p, exact.recompute)
             assert exact.bound == exact.objective and exact.gap == 0.0
-            assert greedy.status == "infeasible" or greedy.objective >= brute.objective
+            assert not greedy.fits or greedy.objective >= brute.objective
     assert statuses == {"optimal", "infeasible"}  # the instances exercise both outcomes
 
 
@@ -158,8 +158,9 @@ def test_min_peak_matches_brute_and_is_reachable():
         assert at_min.status == "optimal" and at_min.peak <= peak
         below = replace(problem, budget=peak - 1)
         if below.budget > 0:
-            for solver in SOLVERS:
-                assert solve(below, solver).status == "infeasible"
+            for solver in SOLVERS:  # the greedy descent proves nothing: it may only say it found nothing
+                status = solve(below, solver).status
+                assert status in (("infeasible", "unknown") if solver == "greedy" else ("infeasible",)), solver
 
 
 def test_generous_budget_recomputes_nothing_costly():
@@ -243,25 +244,25 @@ def test_cpsat_falls_back_to_greedy_when_out_of_time(monkeypatch):
 
 
 def test_cpsat_out_of_time_never_calls_an_unchecked_decision_feasible():
-    """With too little time for either solver (how little depends on the machine's load), whatever comes
-    back is called feasible exactly when it is."""
+    """With too little time for either solver to fit the budget, whatever comes back is called feasible
+    exactly when it is, and never infeasible: running out of time proves nothing."""
     problem = chain(1000)
     p = replace(problem, budget=eager_peak(problem) // 2)
     sol = solve_cpsat(p, time_limit_s=0.05)
     assert sol.solver == "cpsat" and not violations(p, sol.recompute)
-    assert (sol.status != "infeasible") == is_feasible(p, sol.recompute)
+    assert sol.status in ("unknown", "feasible") and sol.fits == is_feasible(p, sol.recompute)
 
 
 def test_speed_2000_candidates():
     problem = chain(1000)
     budget = (peak_bytes(problem, greedy_min_peak(problem)) + eager_peak(problem)) // 2
     p = replace(problem, budget=budget)
-    start = time.perf_counter()
+    start = time.process_time()  # CPU seconds: limits are counted work, which a loaded machine only stretches
     greedy = solve_greedy(p)
-    assert time.perf_counter() - start < 5.0 and greedy.status == "feasible"
-    start = time.perf_counter()
+    assert time.process_time() - start < 5.0 and greedy.status == "feasible"
+    start = time.process_time()
     exact = solve_cpsat(p, 5.0)
-    assert time.perf_counter() - start < 8.0
+    assert time.process_time() - start < 8.0
     assert exact.status in ("optimal", "feasible") and is_feasible(p, exact.recompute)
     assert exact.objective <= greedy.objective
 

@@ -7,7 +7,9 @@ buffers (`fxmem.solve.packing.merge`: same-lifetime buffers stacked, same-size b
 back; a skyline search (`fxmem.solve.packing.search`) per group of chained lifetimes; then OR-Tools CP-SAT
 seeded with the best packing: on the whole packing (`fxmem.solve.packing.cpsat`) up to `LNS_ABOVE`
 buffers, on windows of it (large-neighbourhood search, `fxmem.solve.packing.lns`) above, until the lower
-bound is reached or time runs out.
+bound is reached or the limit is spent. The limit is converted once into counted effort (`fxmem.solve.effort`:
+`PLACE_US` per buffer placed, the skyline search's nodes, CP-SAT's deterministic time) that the stages share,
+so the same buffers get the same offsets on every run.
 """
 from __future__ import annotations
 
@@ -18,12 +20,14 @@ from typing import Sequence
 import numpy as np
 
 from fxmem.errors import PackingError
+from fxmem.solve.effort import WORKERS, Effort
 from fxmem.solve.packing.merge import components, merge_blocks
 
 _BIG = np.int64(1) << 60
 LNS_ABOVE = 150  # more sized buffers than this: windows re-solved by CP-SAT, not the whole packing
 SKYLINE_SHARE = 0.6  # of the time limit, heuristics included, before CP-SAT
 MERGED_SHARE = 0.6  # of the time limit, for packing merged blocks (`fxmem.solve.packing.merge`)
+PLACE_US = 20.0  # effort units per buffer of one placement in an order (17-24 measured)
 
 
 @dataclass(frozen=True)
@@ -126,11 +130,11 @@ def heuristic_orders(start: np.ndarray, end: np.ndarray, size: np.ndarray) -> di
     }
 
 
-def best_heuristic(start: np.ndarray, end: np.ndarray, size: np.ndarray, time_limit_s: float = 1.0,
+def best_heuristic(start: np.ndarray, end: np.ndarray, size: np.ndarray, time_limit_s: float | Effort = 1.0,
                    seed: int = 0) -> tuple[np.ndarray, str]:
     """The smallest arena over the named orders and both gap rules, then over random perturbations of the
-    best order while `time_limit_s` lasts. Returns (offsets, name of the winning order and rule)."""
-    started = time.perf_counter()
+    best order for about `time_limit_s` seconds. Returns (offsets, name of the winning order and rule)."""
+    effort = Effort.of(time_limit_s)
     best: tuple[int, np.ndarray, str, np.ndarray] | None = None
     target = int(live_profile(start, end, size)[1].max(initial=0))
     for name, order in heuristic_orders(start, end, size).items():
@@ -144,7 +148,8 @@ def best_heuristic(start: np.ndarray, end: np.ndarray, size: np.ndarray, time_li
     assert best is not None
     rng = np.random.default_rng(seed)
     # Perturb the best order: random keys blended with its ranks (a cheap iterated greedy).
-    while time.perf_counter() - started < time_limit_s and best[0] > target:
+    while not effort.done() and best[0] > target:
+        effort.spend(PLACE_US * len(start))
         ranks = np.empty(len(start), dtype=np.float64)
         ranks[best[3]] = np.arange(len(start))
         order = np.argsort(ranks + rng.normal(0, max(1.0, 0.05 * len(start)), len(start)), kind="stable")
@@ -170,25 +175,24 @@ def check_packing(start: Sequence[int], end: Sequence[int], size: Sequence[int],
 
 
 def _skyline_by_group(start: np.ndarray, end: np.ndarray, size: np.ndarray, lower: int, offsets: np.ndarray,
-                      groups: list[np.ndarray], deadline: float, seed: int) -> np.ndarray:
+                      groups: list[np.ndarray], effort: Effort, seed: int) -> np.ndarray:
     """Skyline search on each group of buffers (lifetimes chained together) on its own, highest arena first,
-    in slices of time proportional to its buffers, until every group is at most `lower` (the bound of
-    them all: a group with less alive at its peak has slack) or `deadline` (perf_counter) passes."""
+    in slices of the effort proportional to its buffers, until every group is at most `lower` (the bound of
+    them all: a group with less alive at its peak has slack) or the effort is spent."""
     from fxmem.solve.packing.search import skyline_search
 
     offsets = offsets.copy()
     tried: set[int] = set()
     while True:
-        now = time.perf_counter()
         over = [g for g, grp in enumerate(groups) if arena_of(offsets[grp], size[grp]) > lower]
-        if not over or (now >= deadline and tried):
+        if not over or (effort.done() and tried):
             return offsets
         g = max(over, key=lambda g: arena_of(offsets[groups[g]], size[groups[g]]))
         grp = groups[g]
         share = len(grp) / sum(len(groups[h]) for h in over)
-        left = max(0.0, deadline - now) * (share if g not in tried else max(share, 0.5))
+        part = effort.part(share if g not in tried else max(share, 0.5))
         tried.add(g)
-        offsets[grp] = skyline_search(start[grp], end[grp], size[grp], lower, offsets[grp], left,
+        offsets[grp] = skyline_search(start[grp], end[grp], size[grp], lower, offsets[grp], part,
                                       seed + len(tried))
 
 
@@ -198,13 +202,12 @@ MERGE_WAYS = ((False, False, 1 << 30), (False, True, 1 << 30), (True, False, 1 <
 
 
 def _merged(start: np.ndarray, end: np.ndarray, size: np.ndarray, lower: int, offsets: np.ndarray, method: str,
-            deadline: float, num_workers: int, seed: int) -> tuple[np.ndarray, str]:
+            effort: Effort, num_workers: int, seed: int) -> tuple[np.ndarray, str]:
     """`offsets` bettered group by group (of chained lifetimes) with packings of blocks merged in the ways
-    of `MERGE_WAYS` (each goes wrong where another does not), each way given an even part of the time
-    left before `deadline`, less when merging hardly shrinks the instance."""
+    of `MERGE_WAYS` (each goes wrong where another does not), each way given an even part of the effort
+    left, less when merging hardly shrinks the instance."""
     offsets = offsets.copy()
     groups = components(start, end)
-    began = time.perf_counter()
     seen: set[tuple[bool, bool, int]] = set()
     for n, (pairs, stack_first, rounds) in enumerate(MERGE_WAYS):
         over = [grp for grp in groups if arena_of(offsets[grp], size[grp]) > lower]
@@ -216,9 +219,8 @@ def _merged(start: np.ndarray, end: np.ndarray, size: np.ndarray, lower: int, of
         if kept >= 1 or (pairs, stack_first, len(blocks.size)) in seen:
             continue
         seen.add((pairs, stack_first, len(blocks.size)))
-        now = time.perf_counter()
-        part = max(0.0, began + min(1.0, 2 * (1 - kept)) * (deadline - began) - now) / (len(MERGE_WAYS) - n)
-        found, how, _ = _pack_units(blocks.start, blocks.end, blocks.size, lower, now + part, num_workers, seed,
+        part = effort.until(min(1.0, 2 * (1 - kept))).part(1 / (len(MERGE_WAYS) - n))
+        found, how, _ = _pack_units(blocks.start, blocks.end, blocks.size, lower, part, num_workers, seed,
                                     merge=False)
         trial = offsets.copy()
         trial[idx] = blocks.expand(found)
@@ -229,43 +231,39 @@ def _merged(start: np.ndarray, end: np.ndarray, size: np.ndarray, lower: int, of
     return offsets, method
 
 
-def _pack_units(start: np.ndarray, end: np.ndarray, size: np.ndarray, lower: int, deadline: float,
+def _pack_units(start: np.ndarray, end: np.ndarray, size: np.ndarray, lower: int, effort: Effort,
                 num_workers: int, seed: int, merge: bool = True) -> tuple[np.ndarray, str, bool]:
-    """(offsets, method, proved optimal) for sizes in units, by `deadline` (perf_counter): heuristics,
-    then (with `merge`) the whole pipeline on merged blocks, then skyline search and CP-SAT."""
-    started = time.perf_counter()
-    time_limit_s = max(0.0, deadline - started)
+    """(offsets, method, proved optimal) for sizes in units, within `effort`: heuristics, then (with
+    `merge`) the whole pipeline on merged blocks, then skyline search and CP-SAT."""
+    given = effort.limit > 0
     offsets, method = best_heuristic(start, end, size, 0.0, seed)  # the named orders only: quick
-    if merge and arena_of(offsets, size) > lower and time_limit_s > 0:
-        offsets, method = _merged(start, end, size, lower, offsets, method, started + MERGED_SHARE * time_limit_s,
+    if merge and arena_of(offsets, size) > lower and given:
+        offsets, method = _merged(start, end, size, lower, offsets, method, effort.until(MERGED_SHARE),
                                   num_workers, seed)
     if arena_of(offsets, size) > lower and not method.startswith("merged"):  # perturbed orders: a second
-        found, how = best_heuristic(start, end, size, min(1.0, time_limit_s / 10), seed)
+        found, how = best_heuristic(start, end, size, effort.child(min(1.0, effort.seconds / 10)), seed)
         if arena_of(found, size) < arena_of(offsets, size):
             offsets, method = found, how
     groups = components(start, end)
-    if arena_of(offsets, size) > lower and time_limit_s > 0:
-        found = _skyline_by_group(start, end, size, lower, offsets, groups,
-                                  started + SKYLINE_SHARE * time_limit_s, seed)
+    if arena_of(offsets, size) > lower and given:
+        found = _skyline_by_group(start, end, size, lower, offsets, groups, effort.until(SKYLINE_SHARE), seed)
         if arena_of(found, size) < arena_of(offsets, size):
             offsets, method = found, "skyline search"
     proved: set[int] = set()  # groups CP-SAT proved optimal
-    if arena_of(offsets, size) > lower and time_limit_s > 0 and int((size > 0).sum()) > LNS_ABOVE:
+    if arena_of(offsets, size) > lower and given and int((size > 0).sum()) > LNS_ABOVE:
         from fxmem.solve.packing.lns import lns_improve
 
-        left = time_limit_s - (time.perf_counter() - started)
-        found = lns_improve(start, end, size, offsets, lower, left, num_workers=num_workers, seed=seed)
+        found = lns_improve(start, end, size, offsets, lower, effort.part(), num_workers=num_workers, seed=seed)
         if arena_of(found, size) < arena_of(offsets, size):
             offsets, method = found, f"lns (seeded with {method})"
-    elif arena_of(offsets, size) > lower and time_limit_s > 0:
+    elif arena_of(offsets, size) > lower and given:
         from fxmem.solve.packing.cpsat import improve
 
         for g, group in enumerate(groups):
-            left = time_limit_s - (time.perf_counter() - started)
-            if arena_of(offsets[group], size[group]) <= lower or left <= 0:
+            if arena_of(offsets[group], size[group]) <= lower or effort.done():
                 continue
             found, optimal = improve(start[group], end[group], size[group], offsets[group], target=lower,
-                                     time_limit_s=left, num_workers=num_workers, seed=seed)
+                                     time_limit_s=effort.part(), num_workers=num_workers, seed=seed)
             if optimal:
                 proved.add(g)
             if found is not None and arena_of(found, size[group]) < arena_of(offsets[group], size[group]):
@@ -277,13 +275,14 @@ def _pack_units(start: np.ndarray, end: np.ndarray, size: np.ndarray, lower: int
 
 
 def pack_buffers(buffers: Sequence[Sequence[int]], *, alignment: int = 64, time_limit_s: float = 10.0,
-                 num_workers: int = 2, seed: int = 0) -> Packing:
+                 num_workers: int = WORKERS, seed: int = 0) -> Packing:
     """Offsets for `(start, end, size)` buffers (half-open lifetimes) in one arena, as small as found
     within about `time_limit_s`: best-fit heuristics first, then the whole pipeline on merged blocks
     (up to `MERGED_SHARE` of the time, less when merging hardly shrinks the instance), then a capped
     skyline search with backtracking (`fxmem.solve.packing.search`, up to `SKYLINE_SHARE` of the time),
     then CP-SAT seeded with the best packing (whole, or window by window above `LNS_ABOVE` buffers), each
-    stopping as soon as the arena equals the lower bound. With `time_limit_s=0`, heuristics only."""
+    stopping as soon as the arena equals the lower bound. With `time_limit_s=0`, heuristics only. The limit
+    is counted, not timed (`fxmem.solve.effort`): the same buffers get the same offsets on every run."""
     started = time.perf_counter()
     rows = _validate(buffers, alignment, time_limit_s)
     start, end, raw = rows[:, 0], rows[:, 1], rows[:, 2]
@@ -291,7 +290,7 @@ def pack_buffers(buffers: Sequence[Sequence[int]], *, alignment: int = 64, time_
     scale = int(np.gcd.reduce(units[units > 0])) if (units > 0).any() else 1
     size = units // scale
     lower = int(live_profile(start, end, size)[1].max(initial=0))
-    offsets, method, optimal = _pack_units(start, end, size, lower, started + time_limit_s, num_workers, seed)
+    offsets, method, optimal = _pack_units(start, end, size, lower, Effort.of(time_limit_s), num_workers, seed)
     arena = arena_of(offsets, size)
     status = "optimal" if optimal or arena <= lower else "feasible"
     check_packing(start, end, size, offsets)

@@ -1,18 +1,23 @@
 """CP-SAT model of buffer packing: fixed time intervals, free offsets, `AddNoOverlap2D`.
 
 Reads numpy arrays of lifetimes, sizes and a feasible packing (the hint); returns better offsets
-or None. Torch-free; with `fxmem.solve.recompute.cpsat`, the only modules that import ortools.
+or None. Torch-free. Its limit is CP-SAT's deterministic time (`fxmem.solve.effort`), so the same packing
+comes back on every run.
 """
 from __future__ import annotations
 
 import numpy as np
 from ortools.sat.python import cp_model
 
+from fxmem.solve.effort import PACKING_DTIME_PER_S, WORKERS, Effort
+
 
 def improve(start: np.ndarray, end: np.ndarray, size: np.ndarray, hint: np.ndarray, *, target: int,
-            time_limit_s: float, num_workers: int = 2, seed: int = 0) -> tuple[np.ndarray | None, bool]:
+            time_limit_s: float | Effort, num_workers: int = WORKERS, seed: int = 0
+            ) -> tuple[np.ndarray | None, bool]:
     """Offsets with a smaller arena than `hint` gives, minimising the arena and stopping as soon as it
-    reaches `target` (a lower bound). Returns (offsets or None if nothing better, proved optimal)."""
+    reaches `target` (a lower bound) or its limit (about `time_limit_s` seconds). Returns (offsets or None
+    if nothing better, proved optimal)."""
     upper = int((hint + size).max(initial=0))
     model = cp_model.CpModel()
     arena = model.new_int_var(min(target, upper), upper, "arena")
@@ -35,11 +40,8 @@ def improve(start: np.ndarray, end: np.ndarray, size: np.ndarray, hint: np.ndarr
     order = np.lexsort((-size, start))
     model.add_decision_strategy([offsets[i] for i in order], cp_model.CHOOSE_LOWEST_MIN, cp_model.SELECT_MIN_VALUE)
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.01, float(time_limit_s))
-    solver.parameters.num_workers = num_workers
-    solver.parameters.random_seed = seed
     solver.parameters.search_branching = cp_model.FIXED_SEARCH
-    code = solver.solve(model)
+    code = Effort.of(time_limit_s).run_cpsat(solver, model, PACKING_DTIME_PER_S, num_workers, 0.01, seed)
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None, False
     found = np.asarray([solver.value(y) for y in offsets], dtype=np.int64)

@@ -6,14 +6,17 @@ the top of the arena (a column of the packing, every address), keeps the other b
 their lifetimes as fixed obstacles, and asks CP-SAT for the free buffers' offsets under the current
 arena with the column's highest top as small as it can get in a short time. Moves that do not raise
 the column's top are kept; windows grow when the column cannot be lowered and shrink when CP-SAT
-runs out of time.
+runs out of its limit. Limits are counted (`fxmem.solve.effort`: CP-SAT's deterministic time, and
+`STEP_US` per buffer for each column chosen and modelled), so the same packing comes back on every run.
 """
 from __future__ import annotations
 
-import time
-
 import numpy as np
 from ortools.sat.python import cp_model
+
+from fxmem.solve.effort import PACKING_DTIME_PER_S, WORKERS, Effort
+
+STEP_US = 20.0  # effort units per buffer of the instance, for each column chosen and modelled
 
 
 def _column(center: int, start: np.ndarray, end: np.ndarray, size: np.ndarray, count: int) -> np.ndarray:
@@ -25,11 +28,11 @@ def _column(center: int, start: np.ndarray, end: np.ndarray, size: np.ndarray, c
 
 
 def resolve_window(start: np.ndarray, end: np.ndarray, size: np.ndarray, offsets: np.ndarray, free: np.ndarray,
-                   cap: int, time_limit_s: float, num_workers: int = 2, seed: int = 0
+                   cap: int, time_limit_s: float | Effort, num_workers: int = WORKERS, seed: int = 0
                    ) -> tuple[np.ndarray | None, bool]:
     """New offsets for the sized buffers `free` (the others stay where `offsets` puts them) with every
     top at most `cap` and the highest top among them no higher than now, as low as CP-SAT gets it in
-    `time_limit_s`, hinted with the current offsets.
+    about `time_limit_s` seconds, hinted with the current offsets.
     Returns (offsets for `free` in its order, or None if CP-SAT found nothing; proved optimal)."""
     is_free = np.zeros(len(start), dtype=bool)
     is_free[free] = True
@@ -56,36 +59,34 @@ def resolve_window(start: np.ndarray, end: np.ndarray, size: np.ndarray, offsets
     model.add_hint(highest, current_top)
     model.minimize(highest)
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.01, float(time_limit_s))
-    solver.parameters.num_workers = num_workers
-    solver.parameters.random_seed = seed
-    code = solver.solve(model)
+    code = Effort.of(time_limit_s).run_cpsat(solver, model, PACKING_DTIME_PER_S, num_workers, 0.01, seed)
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None, False
     return np.asarray([solver.value(y) for y in ys_free], dtype=np.int64), code == cp_model.OPTIMAL
 
 
 def lns_improve(start: np.ndarray, end: np.ndarray, size: np.ndarray, offsets: np.ndarray, lower: int,
-                time_limit_s: float, *, window: int = 80, step_time_s: float = 0.3, num_workers: int = 2,
-                seed: int = 0) -> np.ndarray:
+                time_limit_s: float | Effort, *, window: int = 80, step_time_s: float = 0.3,
+                num_workers: int = WORKERS, seed: int = 0) -> np.ndarray:
     """Lower the arena of `offsets` towards `lower` by re-solving columns around buffers at the arena's
-    top until it reaches `lower` or `time_limit_s` runs out. Returns new offsets, never a larger arena:
-    a move is kept only when its column's highest top does not rise (and no top passes the arena)."""
-    started = time.perf_counter()
+    top until it reaches `lower` or its limit (about `time_limit_s` seconds) is spent. Returns new offsets,
+    never a larger arena: a move is kept only when its column's highest top does not rise (and no top
+    passes the arena)."""
+    effort = Effort.of(time_limit_s)
     offsets = offsets.copy()
     rng = np.random.default_rng(seed)
     sized = int((size > 0).sum())
     smallest = min(20, sized)
     count = min(window, sized)
     while sized:
-        left = time_limit_s - (time.perf_counter() - started)
         tops = offsets + size
         arena = int(tops.max())
-        if arena <= lower or left < 0.02:
+        if arena <= lower or effort.left_s < 0.02:
             break
+        effort.spend(STEP_US * len(start))
         at_top = int(rng.choice(np.flatnonzero(tops == arena)))
         free = _column(int(rng.integers(start[at_top], end[at_top])), start, end, size, count)
-        found, optimal = resolve_window(start, end, size, offsets, free, arena, min(step_time_s, left),
+        found, optimal = resolve_window(start, end, size, offsets, free, arena, effort.part(most_s=step_time_s),
                                         num_workers, int(rng.integers(1 << 31)))
         if found is None:  # not even the hint back in time: smaller columns
             count = max(smallest, int(count * 0.8))

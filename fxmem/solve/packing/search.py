@@ -4,16 +4,18 @@ Reads numpy arrays of lifetimes and sizes (alignment units); returns offsets or 
 The lowest (then earliest) point of the skyline is filled by a buffer starting exactly there whose
 lifetime fits under the flat stretch (preferring one whose top comes flush with a neighbour), or raised
 to its lower neighbour (wasted); a choice is refused when some unplaced buffer could no longer fit
-under the cap, and the search backtracks.
+under the cap, and the search backtracks. Limits are counted (`fxmem.solve.effort`, `NODE_US` per node),
+never read off a clock.
 """
 from __future__ import annotations
 
-import time
-
 import numpy as np
+
+from fxmem.solve.effort import Effort
 
 BIG = 1 << 60
 CHAIN_SECTIONS = 64
+NODE_US = 60.0  # effort units per node of the search (45-65 measured, 50 to 1,500 buffers)
 
 
 class _Skyline:
@@ -39,6 +41,7 @@ class _Skyline:
         self.offsets = np.zeros(len(self.z), dtype=np.int64)
         self.left = int(self.unplaced.sum())
         self.undo: list[tuple[int, int, int, int, int]] = []
+        self.nodes = 0
 
     def fits_above(self, lo: int, hi: int, level: int, skip: int = -1) -> bool:
         """Every unplaced buffer alive in sections [lo, hi) still fits between `level` and the cap."""
@@ -116,10 +119,9 @@ class _Skyline:
         if (self.rem[:-1] > self.cap).any() or (self.z > self.cap).any():
             return None
         stack: list[list] = []
-        nodes = 0
         while self.left:
-            nodes += 1
-            if nodes > node_limit:
+            self.nodes += 1
+            if self.nodes > node_limit:
                 return None
             stack.append([len(self.undo), self.alternatives(), 0])
             while True:
@@ -136,28 +138,37 @@ class _Skyline:
 
 
 def skyline_pack(start: np.ndarray, end: np.ndarray, size: np.ndarray, *, cap: int = BIG // 4,
-                 node_limit: int = BIG, noise: float = 0.0, seed: int = 0) -> np.ndarray | None:
-    """Offsets with every buffer's top at most `cap`, or None if the search gave up or proved none."""
-    return _Skyline(start, end, size, cap, np.random.default_rng(seed), noise).run(node_limit)
+                 node_limit: int = BIG, noise: float = 0.0, seed: int = 0,
+                 effort: Effort | None = None) -> np.ndarray | None:
+    """Offsets with every buffer's top at most `cap`, or None if the search gave up or proved none;
+    its nodes are charged to `effort`."""
+    search = _Skyline(start, end, size, cap, np.random.default_rng(seed), noise)
+    try:
+        return search.run(node_limit)
+    finally:
+        if effort is not None:
+            effort.spend(NODE_US * search.nodes)
 
 
 def skyline_search(start: np.ndarray, end: np.ndarray, size: np.ndarray, lower: int, best: np.ndarray,
-                   time_limit_s: float, seed: int = 0) -> np.ndarray:
-    """Lower the arena of `best` until it reaches `lower` or time runs out, alternating uncapped skyline
-    runs with random tie-breaks (cheap, high variance: some land on the bound) and capped searches
-    with backtracking between the bound and the best arena so far; returns the best offsets found."""
-    started = time.perf_counter()
+                   time_limit_s: float | Effort, seed: int = 0) -> np.ndarray:
+    """Lower the arena of `best` until it reaches `lower` or its limit (about `time_limit_s` seconds) is
+    spent, alternating uncapped skyline runs with random tie-breaks (cheap, high variance: some land on the
+    bound) and capped searches with backtracking between the bound and the best arena so far; returns the
+    best offsets found."""
+    effort = Effort.of(time_limit_s)
     top = lambda off: int((off + size).max(initial=0))  # noqa: E731
     rng = np.random.default_rng(seed)
     tries = 0
-    while tries == 0 or (time.perf_counter() - started < time_limit_s and top(best) > lower):
+    while tries == 0 or (not effort.done() and top(best) > lower):
         ub = top(best)
         if tries % 2 == 0:
-            found = skyline_pack(start, end, size, noise=0.0 if tries == 0 else 1.0, seed=int(rng.integers(1 << 31)))
+            found = skyline_pack(start, end, size, noise=0.0 if tries == 0 else 1.0, seed=int(rng.integers(1 << 31)),
+                                 effort=effort)
         else:
             cap = (lower + ub) // 2 if tries % 4 == 1 else lower + (ub - lower) * 3 // 4
             found = skyline_pack(start, end, size, cap=max(lower, min(cap, ub - 1)), node_limit=2 * len(start) + 200,
-                                 noise=0.3, seed=int(rng.integers(1 << 31)))
+                                 noise=0.3, seed=int(rng.integers(1 << 31)), effort=effort)
         tries += 1
         if found is not None and top(found) < ub:
             best = found

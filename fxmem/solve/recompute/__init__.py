@@ -23,7 +23,8 @@ from fxmem.solve.solution import Solution, make_solution
 
 def solve(problem: MemoryProblem, solver: str = "cpsat", time_limit_s: float = 10.0) -> Solution:
     """Run the named solver (see `SOLVERS`, or "auto": `fxmem.solve.recompute.auto`, which names the solver
-    it picked in the Solution) on `problem` within about `time_limit_s` seconds."""
+    it picked in the Solution) on `problem` within about `time_limit_s` seconds, counted as work
+    (`fxmem.solve.effort`): the same problem and limit get the same Solution on every run."""
     if solver != "auto" and solver not in SOLVERS:
         raise ValueError(f"unknown solver {solver!r}; choose one of: auto, {', '.join(sorted(SOLVERS))}")
     if problem.budget <= 0:

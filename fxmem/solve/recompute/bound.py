@@ -8,7 +8,7 @@ A value Inductor would compute inside its readers (`MemoryProblem.fused`) may ho
 """
 from __future__ import annotations
 
-from fxmem.solve.problem import NEVER, MemoryProblem
+from fxmem.solve.problem import NEVER, MemoryProblem, eager_decision, is_valid
 
 
 def peak_lower_bound(problem: MemoryProblem) -> int:
@@ -24,3 +24,14 @@ def peak_lower_bound(problem: MemoryProblem) -> int:
         live += delta[t]
         best = max(best, base + live)
     return best
+
+
+def proven_over_budget(problem: MemoryProblem) -> bool:
+    """No valid decision fits the budget, proven from the problem alone: the memory every decision
+    holds (`base`) is over it, no decision is valid (eager's, the least recomputation, is not: every valid
+    decision recomputes what it does), or, without offload, the peak's lower bound is over it."""
+    if problem.base and max(problem.base) > problem.budget:
+        return True
+    if not is_valid(problem, eager_decision(problem)):
+        return True
+    return not any(problem.can_offload) and peak_lower_bound(problem) > problem.budget

@@ -1,7 +1,8 @@
 """Exhaustive reference solver for tiny problems (tests and sanity checks only).
 
 Reads a `MemoryProblem`; writes nothing. Tries every subset of the recomputable candidates
-(at most 20 of them) and judges each with the helpers in `fxmem.solve.problem`.
+(at most 20 of them) and judges each with the helpers in `fxmem.solve.problem`. Its limit is counted
+(`fxmem.solve.effort`, `CHECK_US` per value and step of each subset judged), never read off a clock.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 from itertools import combinations
 from typing import Iterator
 
+from fxmem.solve.effort import Effort
 from fxmem.solve.problem import (
     MemoryProblem,
     eager_decision,
@@ -19,6 +21,7 @@ from fxmem.solve.problem import (
 from fxmem.solve.solution import Solution, make_solution
 
 MAX_CANDIDATES = 20
+CHECK_US = 0.5  # effort units per value and step of a subset judged (validity, then peak)
 
 
 def _subsets(problem: MemoryProblem) -> list[tuple[int, ...]]:
@@ -31,33 +34,33 @@ def _subsets(problem: MemoryProblem) -> list[tuple[int, ...]]:
 
 
 def _valid(problem: MemoryProblem, subsets: list[tuple[int, ...]],
-           deadline: float) -> Iterator[tuple[int, ...]]:
-    for n, rec in enumerate(subsets):
-        if n % 256 == 0 and time.perf_counter() > deadline:
-            raise TimeoutError("brute force ran out of time")
+           effort: Effort) -> Iterator[tuple[int, ...]]:
+    sweep = CHECK_US * (problem.num_values + problem.num_steps)
+    for rec in subsets:
+        if effort.done():
+            raise TimeoutError("brute force ran out of its limit")
+        effort.spend(sweep)
         if is_valid(problem, rec):
             yield rec
 
 
 def brute_min_peak(problem: MemoryProblem,
-                   time_limit_s: float = 60.0) -> tuple[int, frozenset[int]] | None:
+                   time_limit_s: float | Effort = 60.0) -> tuple[int, frozenset[int]] | None:
     """Smallest peak over valid decisions and the decision reaching it (ties: cheapest, then
     lexicographically smallest); None when no decision is valid."""
-    deadline = time.perf_counter() + time_limit_s
     best = min(((peak_bytes(problem, rec), recompute_cost(problem, rec), rec)
-                for rec in _valid(problem, _subsets(problem), deadline)), default=None)
+                for rec in _valid(problem, _subsets(problem), Effort.of(time_limit_s))), default=None)
     return None if best is None else (best[0], frozenset(best[2]))
 
 
 def solve_brute(problem: MemoryProblem, time_limit_s: float = 60.0) -> Solution:
     """Cheapest decision with peak <= budget (ties: lowest peak, then lexicographically
     smallest sorted tuple). When none exists: status "infeasible" and the lowest-peak valid
-    decision (eager's when none is valid). Raises TimeoutError past the time limit."""
-    started = time.perf_counter()
-    deadline = started + time_limit_s
+    decision (eager's when none is valid). Raises TimeoutError past its limit (about `time_limit_s` s)."""
+    started, effort = time.perf_counter(), Effort.of(time_limit_s)
     subsets = sorted(_subsets(problem), key=lambda rec: (recompute_cost(problem, rec), rec))
     best = None  # (cost, peak, rec)
-    for rec in _valid(problem, subsets, deadline):
+    for rec in _valid(problem, subsets, effort):
         cost = recompute_cost(problem, rec)
         if best is not None and cost > best[0]:
             break  # subsets come cheapest first: nothing later can win
@@ -66,6 +69,6 @@ def solve_brute(problem: MemoryProblem, time_limit_s: float = 60.0) -> Solution:
             best = (cost, peak, rec)
     if best is not None:
         return make_solution(problem, best[2], "optimal", best[0], started, "brute")
-    lowest = brute_min_peak(problem, deadline - time.perf_counter())
+    lowest = brute_min_peak(problem, effort)
     rec = lowest[1] if lowest is not None else eager_decision(problem)
     return make_solution(problem, rec, "infeasible", 0, started, "brute")

@@ -6,8 +6,12 @@ made_i (the step a recomputed value is made) and end_i (its last step alive), li
 decision-independent base bytes as fixed intervals. Offload (when the problem allows it): o_i
 replaces value i's saved interval by two, before its copy out ends and after its copy back
 starts, each copy as it would run alone on the link; a no-overlap constraint per direction keeps
-the copies apart, so they do run alone (`transfer_schedule` then agrees). Determinism: fixed seed and interleaved
-workers, so a fixed `num_workers` gives the same R on every run unless the time limit cuts in.
+the copies apart, so they do run alone (`transfer_schedule` then agrees). Determinism: limits in CP-SAT's
+deterministic time (`fxmem.solve.effort`: this model counts less of it the larger it is, so the rate falls with
+its constraints), seed 0, and a fixed number of workers: 2, interleaved, up to `INTERLEAVED_UP_TO` values (its LP
+and core workers prove small problems optimal in a fraction of a second), 1 above (on a GPT-2 of 531 values one
+worker finds lower peaks per second, and stops at its limit where interleaved batches run past it). The same
+problem and limit give the same R on every run, on an idle or a loaded machine.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import time
 
 from ortools.sat.python import cp_model
 
+from fxmem.solve.effort import Effort, cumulative_dtime_per_s
 from fxmem.solve.problem import (
     NEVER,
     MemoryProblem,
@@ -31,6 +36,7 @@ from fxmem.solve.recompute.greedy import solve_greedy
 from fxmem.solve.solution import Solution, make_solution
 
 _STATUS = {cp_model.OPTIMAL: "optimal", cp_model.FEASIBLE: "feasible", cp_model.INFEASIBLE: "infeasible"}
+INTERLEAVED_UP_TO = 200  # values; larger problems get one worker
 
 
 def _base_runs(base: tuple[int, ...]) -> list[tuple[int, int, int]]:
@@ -146,13 +152,12 @@ class _Model:
             if i in spans:
                 self.model.add_hint(self.end[i], spans[i][1])
 
-    def run(self, time_limit_s: float, num_workers: int, deterministic: bool) -> tuple[int, cp_model.CpSolver]:
+    def run(self, effort: Effort, num_workers: int | None = None) -> tuple[int, cp_model.CpSolver]:
+        """Solve within `effort` (at least 0.01 s), with `num_workers` or the count for this size."""
         solver = cp_model.CpSolver()
-        solver.parameters.max_time_in_seconds = max(0.01, time_limit_s)
-        solver.parameters.num_workers = num_workers
-        solver.parameters.random_seed = 0
-        solver.parameters.interleave_search = deterministic
-        return solver.solve(self.model), solver
+        workers = num_workers or (2 if self.p.num_values <= INTERLEAVED_UP_TO else 1)
+        rate = cumulative_dtime_per_s(len(self.model.proto.constraints))
+        return effort.run_cpsat(solver, self.model, rate, workers, least_s=0.01), solver
 
     def decision(self, solver: cp_model.CpSolver) -> frozenset[int]:
         return frozenset(i for i, r in enumerate(self.r) if solver.boolean_value(r))
@@ -165,45 +170,46 @@ class _Model:
         return sum(c * r for c, r in zip(self.p.cost, self.r) if c) + sum(overhead * o for o in self.o.values())
 
 
-def solve_cpsat(problem: MemoryProblem, time_limit_s: float = 10.0, num_workers: int = 2,
-                deterministic: bool = True) -> Solution:
-    """Least-cost decision with peak <= budget; the greedy decision when CP-SAT finds none better."""
-    started = time.perf_counter()
-    greedy = solve_greedy(problem, time_limit_s / 2)
-    if problem.base and max(problem.base) > problem.budget:
+def solve_cpsat(problem: MemoryProblem, time_limit_s: float | Effort = 10.0,
+                num_workers: int | None = None) -> Solution:
+    """Least-cost decision with peak <= budget within about `time_limit_s` seconds (`fxmem.solve.effort`),
+    the greedy descent getting half; the greedy decision when CP-SAT finds none better. "infeasible" only
+    when proven; out of its limit with nothing that fits, "unknown" with the greedy's best try."""
+    started, effort = time.perf_counter(), Effort.of(time_limit_s)
+    greedy = solve_greedy(problem, effort.part(0.5))
+    if greedy.status == "infeasible":  # proven from the problem alone
         return make_solution(problem, greedy.recompute, "infeasible", 0, started, "cpsat", greedy.offloaded)
     model = _Model(problem, problem.budget)
     model.model.minimize(model.cost())
-    if greedy.status != "infeasible":
+    if greedy.fits:
         model.hint(greedy.recompute, greedy.offloaded)
-    code, solver = model.run(time_limit_s - (time.perf_counter() - started), num_workers, deterministic)
+    code, solver = model.run(effort, num_workers)
     status = _STATUS.get(code)
     if status is None or status == "infeasible":
         return make_solution(problem, greedy.recompute, greedy.status if status is None else "infeasible",
                              0, started, "cpsat", greedy.offloaded)
     rec, off = model.decision(solver), model.offloaded(solver)
     bound = math.ceil(solver.best_objective_bound - 1e-6)
-    left = time_limit_s - (time.perf_counter() - started)
-    if status == "optimal" and left > 0.05:
-        rec, off = _lowest_peak(problem, rec, off, left, num_workers, deterministic)
+    if status == "optimal" and effort.left_s > 0.05:
+        rec, off = _lowest_peak(problem, rec, off, effort, num_workers)
     if not is_feasible(problem, rec, off):
         raise AssertionError(f"CP-SAT returned an infeasible decision: {sorted(rec)}, offload {sorted(off)}")
-    if greedy.status != "infeasible" and greedy.objective < decision_cost(problem, rec, off):
+    if greedy.fits and greedy.objective < decision_cost(problem, rec, off):
         rec, off, status = greedy.recompute, greedy.offloaded, "feasible"
     return make_solution(problem, rec, status, bound, started, "cpsat", off)
 
 
-def _lowest_peak(problem: MemoryProblem, rec: frozenset[int], off: frozenset[int], time_limit_s: float,
-                 num_workers: int, deterministic: bool) -> tuple[frozenset[int], frozenset[int]]:
+def _lowest_peak(problem: MemoryProblem, rec: frozenset[int], off: frozenset[int], effort: Effort,
+                 num_workers: int | None) -> tuple[frozenset[int], frozenset[int]]:
     """Among decisions as cheap as `rec` (and `off`), one with the lowest peak, so the peak falls as the
-    budget does. Returns the decision given if nothing better is found in time."""
+    budget does. Returns the decision given if nothing better is found within `effort`."""
     model = _Model(problem, None)
     peak = peak_bytes(problem, rec, off)
     model.model.add(model.cost() <= decision_cost(problem, rec, off))
     model.model.add(model.capacity <= peak)
     model.model.minimize(model.capacity)
     model.hint(rec, off)
-    code, solver = model.run(time_limit_s, num_workers, deterministic)
+    code, solver = model.run(effort, num_workers)
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return rec, off
     better, better_off = model.decision(solver), model.offloaded(solver)
@@ -212,17 +218,16 @@ def _lowest_peak(problem: MemoryProblem, rec: frozenset[int], off: frozenset[int
     return rec, off
 
 
-def cpsat_min_peak(problem: MemoryProblem, time_limit_s: float = 10.0, num_workers: int = 2,
-                   hint: frozenset[int] | None = None,
-                   deterministic: bool = True) -> tuple[int, frozenset[int]] | None:
+def cpsat_min_peak(problem: MemoryProblem, time_limit_s: float | Effort = 10.0, num_workers: int | None = None,
+                   hint: frozenset[int] | None = None) -> tuple[int, frozenset[int]] | None:
     """Smallest peak over valid decisions (budget and cost ignored) and a decision reaching it;
-    None when CP-SAT finds no valid decision within the time limit. Recompute only (no offload)."""
+    None when CP-SAT finds no valid decision within the limit. Recompute only (no offload)."""
     model = _Model(problem, None, offload=False)
     model.model.minimize(model.capacity)
     if hint is not None and is_valid(problem, hint):
         model.hint(hint)
         model.model.add_hint(model.capacity, peak_bytes(problem, hint))
-    code, solver = model.run(time_limit_s, num_workers, deterministic)
+    code, solver = model.run(Effort.of(time_limit_s), num_workers)
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     rec = model.decision(solver)

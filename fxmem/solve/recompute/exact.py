@@ -9,7 +9,9 @@ end there) and on the open stretches between them, with booleans
   E[v,k]         v's last step is at or after point k (only bounded below: memory pushes it down)
   A[v,k]         v occupies memory at point k (only bounded below)
 and a linear memory row per point and stretch. Nothing is cut short: no heuristic limits on the
-decisions, no time-limited shortcut; a result is "optimal" only when CP-SAT proves it.
+decisions, no time-limited shortcut; a result is "optimal" only when CP-SAT proves it, "infeasible" only
+when it proves that. Limits are CP-SAT's deterministic time (`fxmem.solve.effort`), 2 interleaved workers
+and seed 0, so a search that runs out of its limit stops at the same point on every run.
 """
 from __future__ import annotations
 
@@ -20,7 +22,9 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
+from fxmem.solve.effort import EXACT_DTIME_PER_S, WORKERS, Effort
 from fxmem.solve.problem import NEVER, MemoryProblem, eager_decision, is_valid, peak_bytes
+from fxmem.solve.recompute.bound import proven_over_budget
 from fxmem.solve.solution import Solution, make_solution
 
 DEFAULT_TIME_LIMIT_S = 600.0
@@ -200,35 +204,34 @@ class _Model:
             if x is not False:
                 self.model.add_hint(x, v in rec)
 
-    def run(self, time_limit_s: float, num_workers: int) -> tuple[int, cp_model.CpSolver]:
+    def run(self, effort: Effort, num_workers: int = WORKERS, least_s: float = 0.01) -> tuple[int, cp_model.CpSolver]:
         solver = cp_model.CpSolver()
-        solver.parameters.max_time_in_seconds = max(0.01, time_limit_s)
-        solver.parameters.num_workers = num_workers
-        solver.parameters.random_seed = 0
-        return solver.solve(self.model), solver
+        return effort.run_cpsat(solver, self.model, EXACT_DTIME_PER_S, num_workers, least_s), solver
 
     def decision(self, solver: cp_model.CpSolver) -> frozenset[int]:
         return frozenset(v for v, x in enumerate(self.r) if x is not False and solver.boolean_value(x))
 
 
-def solve_exact(problem: MemoryProblem, time_limit_s: float = DEFAULT_TIME_LIMIT_S, num_workers: int = 2,
-                hint: frozenset[int] | None = None) -> Solution:
-    """Least-cost decision with peak <= budget, "optimal" only when proven within the time limit
-    ("feasible" with CP-SAT's bound otherwise, or the `hint` when it fits and nothing better was
-    found; "infeasible" when no decision was found or none exists)."""
-    started = time.perf_counter()
-    if problem.base and max(problem.base) > problem.budget:
+def solve_exact(problem: MemoryProblem, time_limit_s: float | Effort = DEFAULT_TIME_LIMIT_S,
+                num_workers: int = WORKERS, hint: frozenset[int] | None = None) -> Solution:
+    """Least-cost decision with peak <= budget within about `time_limit_s` seconds (`fxmem.solve.effort`),
+    "optimal" only when proven ("feasible" with CP-SAT's bound otherwise, or the `hint` when it fits and
+    nothing better was found); "infeasible" when proven that none exists, "unknown" when the limit ran out
+    with no decision that fits (eager's decision is then returned)."""
+    started, effort = time.perf_counter(), Effort.of(time_limit_s)
+    if proven_over_budget(problem):
         return make_solution(problem, eager_decision(problem), "infeasible", 0, started, "exact")
     model = _Model(problem, problem.budget)
     model.model.minimize(sum(c * x for c, x in zip(problem.cost, model.r) if c and x is not False))
     fits = hint is not None and is_valid(problem, hint) and peak_bytes(problem, hint) <= problem.budget
     if fits:
         model.hint(hint)
-    code, solver = model.run(time_limit_s - (time.perf_counter() - started), num_workers)
+    code, solver = model.run(effort, num_workers)
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        if fits and code != cp_model.INFEASIBLE:  # out of time before a first solution: the hint fits
+        if fits and code != cp_model.INFEASIBLE:  # out of its limit before a first solution: the hint fits
             return make_solution(problem, hint, "feasible", 0, started, "exact")
-        return make_solution(problem, eager_decision(problem), "infeasible", 0, started, "exact")
+        status = "infeasible" if code == cp_model.INFEASIBLE else "unknown"
+        return make_solution(problem, eager_decision(problem), status, 0, started, "exact")
     rec = model.decision(solver)
     if not is_valid(problem, rec) or peak_bytes(problem, rec) > problem.budget:
         raise AssertionError(f"exact model returned an infeasible decision: {sorted(rec)}")
@@ -236,13 +239,13 @@ def solve_exact(problem: MemoryProblem, time_limit_s: float = DEFAULT_TIME_LIMIT
     return make_solution(problem, rec, status, math.ceil(solver.best_objective_bound - 1e-6), started, "exact")
 
 
-def exact_min_peak(problem: MemoryProblem, time_limit_s: float = DEFAULT_TIME_LIMIT_S,
-                   num_workers: int = 2) -> tuple[int, frozenset[int], bool] | None:
+def exact_min_peak(problem: MemoryProblem, time_limit_s: float | Effort = DEFAULT_TIME_LIMIT_S,
+                   num_workers: int = WORKERS) -> tuple[int, frozenset[int], bool] | None:
     """Smallest peak over valid decisions (cost ignored), a decision reaching it, and whether
-    that is proven; None when none was found in time."""
+    that is proven; None when none was found within the limit."""
     model = _Model(problem, None)
     model.model.minimize(model.capacity)
-    code, solver = model.run(time_limit_s, num_workers)
+    code, solver = model.run(Effort.of(time_limit_s), num_workers)
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     rec = model.decision(solver)

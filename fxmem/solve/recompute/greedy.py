@@ -7,6 +7,9 @@ change re-derives lifetimes only upstream of the values it touches (`fxmem.solve
 rules) and updates a segment tree over the memory profile. Seeds CP-SAT and `min_peak`.
 When the problem allows offload, a second run first offloads the largest values alive at the peak
 (copies that hide cost almost nothing), then recomputes; the cheaper of the two runs is returned.
+Limits are counted (`fxmem.solve.effort`): a move charges `TOGGLE_US` per value it re-derives, a
+profile `PROFILE_US` per value and step. It proves nothing: a decision over the budget is "unknown",
+"infeasible" only where `bound.proven_over_budget` proves it.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import heapq
 import time
 from dataclasses import replace
 
+from fxmem.solve.effort import Effort
 from fxmem.solve.problem import (
     NEVER,
     MemoryProblem,
@@ -29,18 +33,23 @@ from fxmem.solve.problem import (
     saved_set,
     transfer_schedule,
 )
+from fxmem.solve.recompute.bound import proven_over_budget
 from fxmem.solve.recompute.profile_tree import ProfileTree
 from fxmem.solve.solution import Solution, make_solution
 
 MOVES_PER_ROUND = 32  # candidate moves priced per round (values alive at the peak, best bytes/cost first)
 CHAIN_DEPTH = 4  # a move may pull up to this many producers along with the value it recomputes
+TOGGLE_US = 10.0  # effort units (about µs) a move or its undo costs per value it re-derives (6-16 measured)
+PROFILE_US = 0.4  # effort units per value and step of one memory profile (0.31-0.41 measured)
 
 
 class _State:
     """A decision with its lifetimes and memory profile, changed in place and undone on demand."""
 
-    def __init__(self, problem: MemoryProblem, rec: frozenset[int], offload: frozenset[int] = frozenset()):
+    def __init__(self, problem: MemoryProblem, rec: frozenset[int], offload: frozenset[int] = frozenset(),
+                 effort: Effort | None = None):
         self.p, self.users = problem, problem.consumers()
+        self.effort = effort or Effort(float("inf"))  # charged by every move and undo
         self.rec = set(rec)
         self.rec_users = [sum(w in self.rec for w in self.users[v]) for v in range(problem.num_values)]
         self.span = dict(lifetimes(problem, rec))
@@ -126,9 +135,11 @@ class _State:
                 for u in set(self.p.inputs[v]):
                     heapq.heappush(heap, -u)
             self._set_span(v, span, log)
+        self.effort.spend(TOGGLE_US * (1 + len(log)))
         return log
 
     def undo(self, log: list) -> None:
+        self.effort.spend(TOGGLE_US * len(log))
         for entry in reversed(log):
             kind, v = entry[0], entry[1]
             if kind == "rec":
@@ -173,10 +184,10 @@ def _extend(problem: MemoryProblem, rec: set[int], move: set[int]) -> set[int] |
     return grown if grown != move else None
 
 
-def _descend(problem: MemoryProblem, state: _State, target: int, deadline: float, weigh_cost: bool) -> None:
-    """Add recomputations until the peak is <= target or no move lowers it. Each round prices the
-    moves at the peak step, then applies them best first while each still lowers the peak."""
-    while state.tree.top() > target and time.perf_counter() < deadline:
+def _descend(problem: MemoryProblem, state: _State, target: int, weigh_cost: bool) -> None:
+    """Add recomputations until the peak is <= target, no move lowers it or the state's effort is spent.
+    Each round prices the moves at the peak step, then applies them best first while each still lowers it."""
+    while state.tree.top() > target and not state.effort.done():
         peak, step = state.tree.top(), state.tree.argmax()
         alive = [v for v, (first, last) in state.span.items() if first <= step <= last and problem.size[v]
                  and v not in state.rec and problem.can_recompute[v]]
@@ -218,10 +229,11 @@ def _descend(problem: MemoryProblem, state: _State, target: int, deadline: float
             break
 
 
-def _prune(problem: MemoryProblem, state: _State, budget: int, deadline: float) -> None:
-    """Drop recomputations, costliest first, while the decision stays valid and within budget."""
+def _prune(problem: MemoryProblem, state: _State, budget: int) -> None:
+    """Drop recomputations, costliest first, while the decision stays valid and within budget (and the
+    state's effort lasts)."""
     for v in sorted(state.rec, key=lambda i: (-problem.cost[i], i)):
-        if time.perf_counter() > deadline:
+        if state.effort.done():
             break
         if problem.cost[v] == 0 or v not in state.rec:
             continue
@@ -232,24 +244,24 @@ def _prune(problem: MemoryProblem, state: _State, budget: int, deadline: float) 
 
 
 def _recompute_run(problem: MemoryProblem, start: frozenset[int], offload: frozenset[int],
-                   deadline: float) -> tuple[frozenset[int], bool]:
+                   effort: Effort) -> tuple[frozenset[int], bool]:
     """Recompute descent (cheapest first, then by bytes alone) from `start` with `offload` fixed;
     returns R and whether it fits."""
-    state = _State(problem, start, offload)
-    _descend(problem, state, problem.budget, deadline, weigh_cost=True)
+    state = _State(problem, start, offload, effort)
+    _descend(problem, state, problem.budget, weigh_cost=True)
     if state.tree.top() > problem.budget:  # cheapest-first got stuck: descend on bytes alone
-        retry = _State(problem, start, offload)
-        _descend(problem, retry, problem.budget, deadline, weigh_cost=False)
+        retry = _State(problem, start, offload, effort)
+        _descend(problem, retry, problem.budget, weigh_cost=False)
         state = min(state, retry, key=lambda s: s.tree.top())
     rec = frozenset(state.rec)
     feasible = is_valid(problem, rec) and state.tree.top() <= problem.budget
     if feasible:
-        _prune(problem, state, problem.budget, deadline)
+        _prune(problem, state, problem.budget)
         rec = frozenset(state.rec)
     return rec, feasible
 
 
-def _offload_descent(problem: MemoryProblem, rec: frozenset[int], deadline: float) -> frozenset[int]:
+def _offload_descent(problem: MemoryProblem, rec: frozenset[int], effort: Effort) -> frozenset[int]:
     """Offload values alive at the peak, largest first, while that lowers the peak for little time."""
     spans = lifetimes(problem, rec)
     saved = saved_set(problem, rec)
@@ -257,13 +269,15 @@ def _offload_descent(problem: MemoryProblem, rec: frozenset[int], deadline: floa
     alone = {v: transfer_schedule(problem, [v]) for v in options}
     off: frozenset[int] = frozenset()
     profile = memory_profile(problem, rec)
-    while max(profile) > problem.budget and time.perf_counter() < deadline:
+    sweep = PROFILE_US * (problem.num_values + problem.num_steps)  # one profile
+    while max(profile) > problem.budget and not effort.done():
         peak = max(profile)
         step = profile.index(peak)
         tries = sorted((v for v in options if v not in off and spans[v][0] <= step <= spans[v][1]
                         and alone[v].out_last[v] < step < alone[v].in_first[v]),
                        key=lambda v: (-problem.size[v], v))[:MOVES_PER_ROUND]
         cost, best = offload_cost(problem, off), None
+        effort.spend(sweep * len(tries))
         for v in tries:
             trial = memory_profile(problem, rec, off | {v})
             gain = peak - max(trial)
@@ -277,42 +291,47 @@ def _offload_descent(problem: MemoryProblem, rec: frozenset[int], deadline: floa
     return off
 
 
-def _with_offload(problem: MemoryProblem, deadline: float) -> tuple[frozenset[int], frozenset[int], bool]:
+def _with_offload(problem: MemoryProblem, effort: Effort) -> tuple[frozenset[int], frozenset[int], bool]:
     """Offload first, then recompute what still does not fit; then drop offloads not needed."""
     start = eager_decision(problem)
-    off = _offload_descent(problem, start, deadline)
+    off = _offload_descent(problem, start, effort)
     blocked = off | {w for v in off for w in problem.offload_blockers[v]}
     fixed = replace(problem, can_recompute=tuple(c and i not in blocked for i, c in enumerate(problem.can_recompute)))
-    rec, feasible = _recompute_run(fixed, start, off, deadline)
+    rec, feasible = _recompute_run(fixed, start, off, effort)
     if feasible:
         for v in sorted(off, key=lambda v: (problem.size[v], v)):
-            if time.perf_counter() > deadline:
+            if effort.done():
                 break
+            effort.spend(PROFILE_US * (problem.num_values + problem.num_steps))
             if peak_bytes(problem, rec, off - {v}) <= problem.budget:
                 off = off - {v}
     return rec, off, feasible and is_valid(problem, rec, off)
 
 
-def solve_greedy(problem: MemoryProblem, time_limit_s: float = 10.0) -> Solution:
-    started = time.perf_counter()
-    deadline = started + time_limit_s
+def solve_greedy(problem: MemoryProblem, time_limit_s: float | Effort = 10.0) -> Solution:
+    """The greedy decision within about `time_limit_s` seconds (`fxmem.solve.effort`): "optimal" when it
+    recomputes nothing costly, "feasible" when it fits, else "unknown" (or "infeasible" when proven)."""
+    started, effort = time.perf_counter(), Effort.of(time_limit_s)
     offloading = any(problem.can_offload)
     rec, feasible = _recompute_run(problem, eager_decision(problem), frozenset(),
-                                   started + time_limit_s / 2 if offloading else deadline)
+                                   effort.part(0.5) if offloading else effort)
     off: frozenset[int] = frozenset()
     if offloading:
-        rec2, off2, feasible2 = _with_offload(problem, deadline)
+        rec2, off2, feasible2 = _with_offload(problem, effort)
         if (feasible2, -decision_cost(problem, rec2, off2)) > (feasible, -decision_cost(problem, rec)):
             rec, off, feasible = rec2, off2, feasible2
     cost = decision_cost(problem, rec, off)
-    status = "infeasible" if not feasible else "optimal" if cost == 0 else "feasible"
+    if feasible:
+        status = "optimal" if cost == 0 else "feasible"
+    else:
+        status = "infeasible" if proven_over_budget(problem) else "unknown"
     return make_solution(problem, rec, status, 0, started, "greedy", off)
 
 
-def greedy_min_peak(problem: MemoryProblem, time_limit_s: float = 10.0, start: frozenset[int] | None = None
-                    ) -> frozenset[int]:
+def greedy_min_peak(problem: MemoryProblem, time_limit_s: float | Effort = 10.0,
+                    start: frozenset[int] | None = None) -> frozenset[int]:
     """A decision with a low peak, cost ignored (an upper bound on the least peak), descending from
-    `start` (eager's decision by default)."""
-    state = _State(problem, eager_decision(problem) if start is None else start)
-    _descend(problem, state, -1, time.perf_counter() + time_limit_s, weigh_cost=False)
+    `start` (eager's decision by default) for about `time_limit_s` seconds at most."""
+    state = _State(problem, eager_decision(problem) if start is None else start, effort=Effort.of(time_limit_s))
+    _descend(problem, state, -1, weigh_cost=False)
     return frozenset(state.rec)

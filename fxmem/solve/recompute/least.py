@@ -1,10 +1,11 @@
 """The least peak of a keep-or-recompute problem: the best decision found, its lower bound, and
 whether it is proven least.
 
-Reads a `MemoryProblem`; returns a `LeastPeak`. Torch-free. Every search runs within the time
-limit and the best is kept: the greedy descent (fast, local), every repeated layer checkpointed
-(`checkpoint`), the greedy descent from there (it recomputes what checkpointing keeps between
-layers where that lowers the peak), and one option spread over repeated layers (`layered`), where
+Reads a `MemoryProblem`; returns a `LeastPeak`. Torch-free. Every search runs within the limit, converted
+once into counted effort (`fxmem.solve.effort`) that they share, so the least found is the same on every
+run, on an idle or a loaded machine; the best is kept: the greedy descent (fast, local), every repeated
+layer checkpointed (`checkpoint`), the greedy descent from there (it recomputes what checkpointing keeps
+between layers where that lowers the peak), and one option spread over repeated layers (`layered`), where
 the graph has them, then CP-SAT seeded with the best so far, in its
 deterministic mode (the same decision every run: decisions of equal peak can simulate differently),
 and on graphs of up to `EXACT_CANDIDATES` candidates the exact time-indexed program, to prove it.
@@ -17,9 +18,9 @@ the one it was searched with, or whatever the limit once it is proven.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, replace
 
+from fxmem.solve.effort import Effort
 from fxmem.solve.problem import MemoryProblem, is_valid, peak_bytes, recompute_cost
 from fxmem.solve.recompute.bound import peak_lower_bound
 from fxmem.solve.recompute.checkpoint import checkpoint_layers
@@ -69,8 +70,7 @@ def least_peak(problem: MemoryProblem, time_limit_s: float = 10.0) -> LeastPeak:
 
 
 def _search(problem: MemoryProblem, time_limit_s: float) -> LeastPeak:
-    deadline = time.perf_counter() + time_limit_s
-    left = lambda: max(0.01, deadline - time.perf_counter())  # noqa: E731
+    effort = Effort.of(time_limit_s)
     bound = peak_lower_bound(problem)
     found: list[tuple[int, int, str, frozenset[int]]] = []
 
@@ -78,25 +78,26 @@ def _search(problem: MemoryProblem, time_limit_s: float) -> LeastPeak:
         if rec is not None and is_valid(problem, rec):
             found.append((peak_bytes(problem, rec), recompute_cost(problem, rec), method, frozenset(rec)))
 
-    offer(greedy_min_peak(problem, max(GREEDY_MIN_S, time_limit_s / 4)), "greedy")
+    offer(greedy_min_peak(problem, effort.child(max(GREEDY_MIN_S, time_limit_s / 4))), "greedy")
     layers = find_layers(problem)
     if layers is not None:
         checkpointed = checkpoint_layers(problem, layers)
         offer(checkpointed, "checkpoint every layer")
         # what checkpointing keeps between layers, recomputed where that lowers the peak
-        offer(greedy_min_peak(problem, left() / 4, start=checkpointed), "checkpoint, then greedy")
+        offer(greedy_min_peak(problem, effort.part(1 / 4, least_s=0.01), start=checkpointed), "checkpoint, then greedy")
         if problem.num_values > EXACT_CANDIDATES:
-            layered = layered_min_peak(problem, left() / 2, layers)
+            layered = layered_min_peak(problem, effort.part(1 / 2, least_s=0.01), layers)
             offer(layered[1] if layered else None, "layered")
     proved_peak = None  # the exact program's peak, when it proved it least
     if not found or min(found)[0] > bound:
         # CP-SAT in deterministic mode chooses among decisions of equal peak the same way every run
         # (the simulated step can differ between them); the exact program then only proves
         hint = min(found)[3] if found else None
-        cpsat = cpsat_min_peak(problem, left() / 2 if problem.num_values <= EXACT_CANDIDATES else left(), hint=hint)
+        cpsat = cpsat_min_peak(problem, effort.part(1 / 2 if problem.num_values <= EXACT_CANDIDATES else 1,
+                                                    least_s=0.01), hint=hint)
         offer(cpsat[1] if cpsat else None, "cpsat")
         if problem.num_values <= EXACT_CANDIDATES and (not found or min(found)[0] > bound):
-            exact = exact_min_peak(problem, left())
+            exact = exact_min_peak(problem, effort.part(least_s=0.01))
             if exact is not None:
                 proved_peak = exact[0] if exact[2] else None
                 if not found or exact[0] < min(found)[0]:

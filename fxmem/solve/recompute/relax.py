@@ -8,13 +8,14 @@ unused: checkpointing every layer of gpt-small (batch 8) is 240 MiB to them, 169
 172 MiB simulated on the rewritten graphs. Moves keep one value of the layer in every repeated layer
 at once, or one value; the move saving most recompute time per byte it raises the peak goes first.
 At the least budget the same blindness hides lower peaks: on a GPT-2 of 24 layers x 1024 at 4 x 1024
-tokens the solvers' least is 4976 MiB, 4130 MiB in order.
+tokens the solvers' least is 4976 MiB, 4130 MiB in order. Limits are counted (`fxmem.solve.effort`):
+each decision tried costs `TRY_US` per value and step, so a search stops at the same move on every run.
 """
 from __future__ import annotations
 
 import heapq
-import time
 
+from fxmem.solve.effort import Effort
 from fxmem.solve.problem import (
     MemoryProblem,
     is_valid,
@@ -26,17 +27,20 @@ from fxmem.solve.problem import (
 from fxmem.solve.recompute.layers import Layers
 from fxmem.solve.recompute.phases import in_order_spans, phase_peak, phase_profile
 
+TRY_US = 1.3  # effort units per value and step of a decision tried: made values, validity, in-order profile
 
-def relax(problem: MemoryProblem, recompute, budget: int, time_limit_s: float,
+
+def relax(problem: MemoryProblem, recompute, budget: int, time_limit_s: float | Effort,
           layers: Layers | None = None) -> frozenset[int]:
-    """`recompute` less what the budget lets backward keep (unchanged when it is over `budget`).
+    """`recompute` less what the budget lets backward keep (unchanged when it is over `budget`), within
+    about `time_limit_s` seconds.
 
     Lazy greedy: a move's worth is the recompute time it saves per byte it raises the peak by (a
     move that does not raise it is taken at once); worths are first guessed from the move's bytes and
     re-priced when they come up, since earlier moves change them. Guessing from the bytes, not from
     the time alone, takes good moves at once instead of pricing every move first: a GPT-2 of 24 layers
     x 1024 at 4 x 1024 tokens relaxes in 2 s instead of 5, to the same decisions."""
-    deadline = time.perf_counter() + time_limit_s
+    effort, sweep = Effort.of(time_limit_s), TRY_US * (problem.num_values + problem.num_steps)
     rec = drop_unmade(problem, frozenset(recompute))
     peak = phase_peak(problem, rec)
     if peak > budget:
@@ -47,8 +51,9 @@ def relax(problem: MemoryProblem, recompute, budget: int, time_limit_s: float,
     heap = [(-sum(problem.cost[v] for v in move) / (sum(problem.size[v] for v in move) + 1), k, move)
             for k, move in enumerate(_moves(problem, rec, layers))]
     heapq.heapify(heap)
-    while heap and time.perf_counter() < deadline:
+    while heap and not effort.done():
         _, k, move = heapq.heappop(heap)
+        effort.spend(sweep)
         trial = drop_unmade(problem, rec - move)
         if trial == rec or not is_valid(problem, trial):
             continue
@@ -63,25 +68,27 @@ def relax(problem: MemoryProblem, recompute, budget: int, time_limit_s: float,
     return rec
 
 
-def lower_peak(problem: MemoryProblem, recompute, time_limit_s: float) -> frozenset[int]:
+def lower_peak(problem: MemoryProblem, recompute, time_limit_s: float | Effort) -> frozenset[int]:
     """`recompute` plus what lowers the in-order peak: each round recomputes the value alive at the
     peak step whose recomputation (alone, or with its inputs back to values kept already) lowers the
-    peak most, until none does or time is up. With the inputs: a GPT-2 of 124M shape at 8 x 1024
-    tokens, 5450.5 -> 5354.5 MiB in order (the bound is 5186.5)."""
-    deadline = time.perf_counter() + time_limit_s
+    peak most, until none does or its limit (about `time_limit_s` seconds) is spent. With the inputs: a
+    GPT-2 of 124M shape at 8 x 1024 tokens, 5450.5 -> 5354.5 MiB in order (the bound is 5186.5)."""
+    effort, sweep = Effort.of(time_limit_s), TRY_US * (problem.num_values + problem.num_steps)
     rec = drop_unmade(problem, frozenset(recompute))
     profile = phase_profile(problem, rec)
     peak = max(profile, default=0)
-    while time.perf_counter() < deadline:
+    while not effort.done():
+        effort.spend(sweep)
         step = profile.index(peak)
         spans, size = in_order_spans(problem, rec)
         alive = [v for v, (first, last) in spans.items() if first <= step <= last and size[v]
                  and v not in rec and problem.can_recompute[v]]
         best = None
         for v in sorted(alive, key=lambda v: -size[v]):
-            if time.perf_counter() > deadline:
+            if effort.done():
                 break
             for move in {rec | {v}, _cone(problem, rec, v)}:  # one move when `v` needs no inputs made
+                effort.spend(sweep)
                 trial = drop_unmade(problem, repair(problem, move))
                 if is_valid(problem, trial):
                     trial_profile = phase_profile(problem, trial)

@@ -50,30 +50,33 @@ def test_a_plan_made_once_is_read_back_equal(cache, monkeypatch):
     budget = _budget(model, inputs)
     solves = _solves(monkeypatch)
     first = fxmem.plan(model, inputs, budget, time_limit_s=2)
-    assert len(solves) == 1 and len(_entries(cache)) == 1
+    made, kept = len(solves), len(_entries(cache))
+    assert made >= 1 and kept == made  # each plan the planner made (the least search's too) is kept
     second = fxmem.plan(model, inputs, budget, time_limit_s=2)
-    assert len(solves) == 1  # read back: nothing solved again
+    assert len(solves) == made  # read back: nothing solved again
     assert second.to_json() == first.to_json()
     fxmem.plan(model, inputs, budget * 0.95, time_limit_s=2)  # another budget: another plan
-    assert len(solves) == 2 and len(_entries(cache)) == 2
+    assert len(solves) > made and len(_entries(cache)) > kept
+    made, kept = len(solves), len(_entries(cache))
     fxmem.plan(model, inputs, budget, time_limit_s=2, cache=False)
-    assert len(solves) == 3 and len(_entries(cache)) == 2
+    assert len(solves) > made and len(_entries(cache)) == kept
 
 
 def test_an_optimized_module_trains_the_same_from_a_cached_plan(cache):
     model, inputs = _gpt()
     budget = _budget(model, inputs)
-    grads = []
+    grads, kept = [], []
     for _ in range(2):  # the second module's plan is read from the cache
         torch.manual_seed(0)
         fresh = models.from_name("gpt-tiny")
         optimized = fxmem.optimize(fresh, budget_gb=budget, time_limit_s=2)
         optimized(*inputs).backward()
         grads.append([p.grad for p in fresh.parameters()])
+        kept.append(len(_entries(cache)))
         assert optimized.plan.recompute
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    assert len(_entries(cache)) == 1
+    assert kept[0] >= 1 and kept[1] == kept[0]
 
 
 def test_a_second_process_reads_the_plan_the_first_made(cache):
@@ -89,14 +92,14 @@ def test_a_second_process_reads_the_plan_the_first_made(cache):
             for _ in range(2)]
     assert [r.returncode for r in runs] == [0, 0], runs[0].stderr[-2000:] + runs[1].stderr[-2000:]
     (made_first, *first), (made_second, *second) = (r.stdout.split(" ", 2) for r in runs)
-    assert (made_first, made_second) == ("1", "0") and first == second
+    assert int(made_first) >= 1 and made_second == "0" and first == second
 
 
 def test_an_entry_that_does_not_fit_is_planned_again_with_one_line(cache):
     model, inputs = _gpt()
     budget = _budget(model, inputs)
     made = fxmem.plan(model, inputs, budget, time_limit_s=2)
-    (entry,) = _entries(cache)
+    entry = next(e for e in _entries(cache) if json.loads(e.read_text())["plan"]["budget_bytes"] == made.budget_bytes)
     entry.write_text("{not json")
     with pytest.warns(UserWarning, match="ignoring the cache entry .*; planning again"):
         again = fxmem.plan(model, inputs, budget, time_limit_s=2)

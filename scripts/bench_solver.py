@@ -106,7 +106,7 @@ def gap_rows(problems: dict[str, MemoryProblem], exact_s: float, solver_s: float
                    "exact cost": best.objective, "exact": best.status, "exact s": round(best.solve_time_s, 1)}
             for solver in GAP_SOLVERS:
                 sol = solve(p, solver, solver_s)
-                fits = sol.status != "infeasible"
+                fits = sol.fits
                 gap = (sol.objective - best.objective) / max(best.objective, 1) if fits else None
                 row[f"{solver} gap"] = "n/a" if gap is None else f"{gap:+.1%}"
                 row[f"{solver} s"] = round(sol.solve_time_s, 2)
@@ -131,7 +131,7 @@ def time_rows(problems: dict[str, MemoryProblem], solver_s: float, compare: bool
                "solve s (50% budget)": round(sol.solve_time_s, 2)}
         if compare:
             other = solve(replace(problem, budget=budget), "cpsat", solver_s)
-            row["cpsat cost vs auto"] = "no fit" if other.status == "infeasible" else \
+            row["cpsat cost vs auto"] = "no fit" if not other.fits else \
                 f"{(other.objective - sol.objective) / max(sol.objective, 1):+.1%}"
             row["cpsat s"] = round(other.solve_time_s, 2)
         rows.append(row)

@@ -163,7 +163,7 @@ def _stage_inputs(k: int, problem: StageProblem, cuts, args: tuple, first: int) 
 def _planner_infeasible(problem: StageProblem, budget_bytes: int, needs: list[int]) -> InfeasibleBudgetError:
     """`needs`: the least stage budgets fxmem's planner reported for the stages it refused."""
     need = min(needs, default=budget_bytes + 1)
-    err = InfeasibleBudgetError(budget_bytes, need)
+    err = InfeasibleBudgetError(budget_bytes, need, proven=False)  # the least the searches found, not a proof
     found = (f"the splits the stage model found feasible need at least {fmt_bytes(need)}" if needs else
              "every split the stage model found feasible needs more than that")
     raise_to = f"raise budget_gb to at least {need / 2**30:.3f}" if needs else "raise budget_gb"

@@ -262,7 +262,7 @@ def least_refusal(units: Units, planner: RegionPlanner, devices: Sequence[str], 
     span = lambda a, b: labels[a] if b - a == 1 else f"{labels[a]} .. {labels[b - 1]}"  # noqa: E731
     split = "; ".join(f"{d}: {span(best_bounds[k], best_bounds[k + 1])}"
                       for k, d in enumerate(devices) if best_bounds[k] < best_bounds[k + 1])
-    error = InfeasibleBudgetError(refused, least, parts)
+    error = InfeasibleBudgetError(refused, least, parts, proven=False)  # the least found over the candidates
     error.args = (f"budget {fmt_bytes(refused)} per device is below the least budget found for {len(devices)} devices, "
                   f"{fmt_bytes(least)} per device, with recompute inside each device's region ({split}"
                   + (f"; its largest region: {', '.join(f'{k} {fmt_bytes(v)}' for k, v in parts.items())}" if parts else "")

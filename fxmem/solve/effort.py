@@ -3,19 +3,19 @@
 A search given `time_limit_s` converts it once, where it starts, into an `Effort` of
 `time_limit_s * UNITS_PER_SECOND` units, a unit being about a microsecond of one core of an idle machine
 (measured as CPU time on a 2-core x86 machine, so its load did not skew the figures; a search using two
-cores of an idle machine may take less). fxmem's own searches
-charge each step by what it touches (the constants beside each search: a value re-derived by the greedy
-descent, the values and steps of a profile, a buffer placed, a node of the skyline search) and stop once the
-effort is spent, so the same problem is searched the same way, to the same answer, on an idle or a loaded
-machine; only the seconds it takes change.
+cores of an idle machine may take less). fxmem's own searches charge each step by what it touches (the
+constants beside each search: a value re-derived by the greedy descent, the values and steps of a profile, a
+buffer placed, a node of the skyline search) and stop once the effort is spent, so the same problem is
+searched the same way, to the same answer, on an idle or a loaded machine; only the seconds it takes change.
 
-A CP-SAT call gets what is left as a deterministic time limit (`max_deterministic_time`), at its model's rate of
-CP-SAT's deterministic time per CPU-second (`EXACT_DTIME_PER_S`, `PACKING_DTIME_PER_S`,
-`cumulative_dtime_per_s`), a fixed number of workers (interleaved when more than one, so the threads'
-timing does not change the answer) and seed `SEED`; the deterministic time it used is charged back, with what
+A CP-SAT call gets what is left as a deterministic time limit (`max_deterministic_time`), at its model's rate
+of CP-SAT's deterministic time per CPU-second (`EXACT_DTIME_PER_S`, `PACKING_DTIME_PER_S`,
+`cumulative_dtime_per_s`), a fixed number of workers (interleaved when more than one, so the threads' timing
+does not change the answer) and seed `SEED`; the deterministic time it used is charged back, with what
 loading and presolving the model costs beside it (`CPSAT_CALL_US`, `CPSAT_CONSTRAINT_US`), which CP-SAT's
-deterministic time leaves out.
-CP-SAT may pass its limit by a batch of work; that too is the same on every run.
+deterministic time leaves out. CP-SAT may pass its limit by a batch of work; that too is the same on every
+run. The rates are approximate (a model's work per unit of deterministic time varies 2-3x with its shape),
+so a search takes about its limit, not exactly.
 
 Torch-free, and ortools-free: the CP-SAT solver is handed in by the modules that build models.
 """

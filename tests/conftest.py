@@ -20,6 +20,15 @@ GIB = 2**30
 os.environ["FXMEM_CACHE"] = "0"
 
 
+@pytest.fixture(autouse=True)
+def _no_decisions_kept():
+    """Nor does a test inherit the decisions an earlier one kept for other shapes (fxmem.planner.shape_reuse)."""
+    from fxmem.planner import shape_reuse
+
+    shape_reuse.forget()
+    yield
+
+
 def step(module, inputs, kwargs=None, seed=1234):
     torch.manual_seed(seed)
     for p in module.parameters():

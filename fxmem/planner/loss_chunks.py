@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch.fx
 
 from fxmem.errors import InfeasibleBudgetError, PlanMismatchError, fmt_bytes
+from fxmem.planner.shape_reuse import decision_key, keep_chunks, kept_chunks
 from fxmem.trace.loss import DROP_OUTPUTS
 from fxmem.passes.chunked_loss import LossSite, chunk_loss, loss_sites
 
@@ -106,10 +107,20 @@ def plan_with_loss_chunks(gm: torch.fx.GraphModule, request: Any, plan_graph: Pl
                             "lets fxmem chunk an lm head's cross-entropy",)
             raise
 
+    planned_counts: dict[int, tuple[Any, Any] | InfeasibleBudgetError] = {}  # each count is planned once
+
     def chunked(chunks: int) -> tuple[Any, Any]:
-        plan, step = plan_graph(chunk_loss(copy_graph(gm), chunks), request)
-        step.planner.plan = plan = chunked_plan(plan, sites, chunks, request.device)
-        return plan, step
+        if chunks not in planned_counts:
+            try:
+                plan, step = plan_graph(chunk_loss(copy_graph(gm), chunks), request)
+                step.planner.plan = plan = chunked_plan(plan, sites, chunks, request.device)
+                planned_counts[chunks] = plan, step
+            except InfeasibleBudgetError as exc:
+                planned_counts[chunks] = exc
+        found = planned_counts[chunks]
+        if isinstance(found, InfeasibleBudgetError):
+            raise found
+        return found
 
     def as_traced() -> tuple[Any, Any] | InfeasibleBudgetError:
         try:
@@ -117,6 +128,33 @@ def plan_with_loss_chunks(gm: torch.fx.GraphModule, request: Any, plan_graph: Pl
         except InfeasibleBudgetError as exc:
             return exc
 
+    key = decision_key(gm, request)
+    reused = _kept_count_fits(kept_chunks(key), chunked, as_traced)
+    if reused is not None:
+        return reused
+    planned = _searched(gm, request, sites, chunked, as_traced)
+    keep_chunks(key, getattr(planned[0], "loss_chunks", 1))
+    return planned
+
+
+def _kept_count_fits(chunks: int | None, chunked: Callable[[int], tuple[Any, Any]],
+                     as_traced: Callable[[], Any]) -> tuple[Any, Any] | None:
+    """The plan with the loss in the chunk count kept for this step at other sizes (`fxmem.planner.shape_reuse`),
+    where it fits; else None."""
+    if chunks is None:
+        return None
+    if chunks == 1:
+        planned = as_traced()
+        return planned if isinstance(planned, tuple) else None
+    try:
+        return chunked(chunks)
+    except InfeasibleBudgetError:
+        return None
+
+
+def _searched(gm: torch.fx.GraphModule, request: Any, sites: list[LossSite], chunked: Callable[[int], tuple[Any, Any]],
+              as_traced: Callable[[], Any]) -> tuple[Any, Any]:
+    """The searches of the module docstring: the count that fits, then the fastest."""
     lm_head_flops, most, floor = sum(site.lm_head_flops() for site in sites), most_chunks(sites), traced_floor(gm, sites)
     region = sum(site.region_bytes() for site in sites)
     unchunked = as_traced() if request.budget_bytes >= floor else None  # below the floor it cannot fit

@@ -1,0 +1,91 @@
+"""A decision made for one input shape, tried first on the next shape of the same step.
+
+A run whose sequence length or batch varies (padding buckets, the last smaller batch) traces a joint graph
+per shape, and these graphs differ only in sizes: the same nodes, names and ops. The planner keeps, per
+process, the decision it chose (the values recomputed and offloaded, by node name) under the graph's
+structure (`structure_key`: every node's name, op, target and dtype, no shape) and the request without its
+input signature. For a new shape it simulates that decision on the new graph first: where the simulated
+peak fits the budget less its margin, that decision is the plan (`Plan.solver` "reused"), with no solve;
+where it does not, the planner solves as for any graph and keeps its answer in turn. The budget is
+checked on the new sizes every time, so a reused plan keeps the same promise as a solved one; it may
+recompute more than a plan solved for the smaller shape would (its slack is not spent).
+
+The number of chunks the loss was computed in (`fxmem.planner.loss_chunks`) is kept the same way, under the
+captured graph's structure: a new shape plans that count first and searches only where it does not fit.
+
+Reads joint graphs and planner requests; writes nothing but the in-process memos (`MEMO_SIZE` entries each).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections import OrderedDict
+from typing import Any, Sequence
+
+import torch.fx
+
+MEMO_SIZE = 64
+_DECISIONS: OrderedDict[str, tuple[frozenset[str], frozenset[str]]] = OrderedDict()
+_CHUNKS: OrderedDict[str, int] = OrderedDict()  # captured step -> the chunk count its loss was planned in
+
+
+def structure_key(gm: torch.fx.GraphModule) -> str:
+    """Hash of (name, op, target, dtype) over every node: equal for the graphs of one step traced at other
+    sizes (`fxmem.planner.plan.graph_fingerprint` without the shapes)."""
+    from torch.fx.node import _get_qualified_name
+
+    digest = hashlib.sha256()
+    for node in gm.graph.nodes:
+        target = node.target if isinstance(node.target, str) else _get_qualified_name(node.target)
+        dtype = str(getattr(node.meta.get("val"), "dtype", ""))
+        digest.update(f"{node.name}|{node.op}|{target}|{dtype}\n".encode())
+    return digest.hexdigest()[:32]
+
+
+def decision_key(gm: torch.fx.GraphModule, request: Any, extra: Any = None) -> str:
+    """The memo's key: the graph's structure and every request field but those that change with the sizes: the
+    input signature, the bytes the step's other graphs hold, and the loss's description."""
+    fields = {f.name: repr(getattr(request, f.name)) for f in dataclasses.fields(request)
+              if f.name not in ("signature", "held_bytes", "loss", "plan", "cache")}
+    text = repr((structure_key(gm), sorted(fields.items()), extra))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def remember(key: str, nodes: Sequence[torch.fx.Node], recompute: frozenset[int], offloaded: frozenset[int]) -> None:
+    """Keep the decision (candidate indices into `nodes`) by node name under `key`."""
+    _DECISIONS[key] = (frozenset(nodes[i].name for i in recompute), frozenset(nodes[i].name for i in offloaded))
+    _DECISIONS.move_to_end(key)
+    while len(_DECISIONS) > MEMO_SIZE:
+        _DECISIONS.popitem(last=False)
+
+
+def recall(key: str, nodes: Sequence[torch.fx.Node]) -> tuple[frozenset[int], frozenset[int]] | None:
+    """The decision kept under `key` as candidate indices into `nodes`; None where none is kept or a name it
+    holds is not a candidate here."""
+    found = _DECISIONS.get(key)
+    if found is None:
+        return None
+    index = {node.name: i for i, node in enumerate(nodes)}
+    recompute, offloaded = found
+    if not (recompute | offloaded) <= index.keys():
+        return None
+    return frozenset(index[n] for n in recompute), frozenset(index[n] for n in offloaded)
+
+
+def keep_chunks(key: str, chunks: int) -> None:
+    """Keep the number of chunks the loss of the step under `key` was planned in."""
+    _CHUNKS[key] = chunks
+    _CHUNKS.move_to_end(key)
+    while len(_CHUNKS) > MEMO_SIZE:
+        _CHUNKS.popitem(last=False)
+
+
+def kept_chunks(key: str) -> int | None:
+    """The chunk count kept under `key`, None where none is."""
+    return _CHUNKS.get(key)
+
+
+def forget() -> None:
+    """Drop every kept decision and chunk count (tests)."""
+    _DECISIONS.clear()
+    _CHUNKS.clear()

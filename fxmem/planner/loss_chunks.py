@@ -3,9 +3,10 @@
 Reads a captured graph, its loss sites (`passes/chunked_loss.py`) and the request's budget; plans the
 step as it is (1 chunk) and, where that does not fit or fits only by recomputing more than the lm head
 costs, plans it with the loss in chunks (each a fresh copy of the graph rewritten by `chunk_loss`):
-where 1 chunk does not fit, the fewest of 2, 4, 8, ... that fits (bisected from the most worth making);
-then, where that plan recomputes more than the lm head costs (and, where 1 chunk fits, the loss region is
-a tenth of the budget or more), twice as many chunks, and twice again, while each count is predicted
+where 1 chunk does not fit, the first of 8, 16, ... that fits (or the most worth making, once a count's least
+shows that fewer cannot fit), then half as many while that fits and is predicted faster (fewer ops); where no
+fewer count was faster, that plan recomputes more than the lm head costs (and, where 1 chunk fits, the loss
+region is a tenth of the budget or more), twice as many chunks, and twice again, while each count is predicted
 faster than half of it (more chunks free more, so less is recomputed), keeping the fastest. A budget below the
 loss's floor as traced (`traced_floor`: parameters and the log-softmax with its gradient) skips
 planning 1 chunk, as does a least named with chunks below that floor. Chunking costs the lm head's
@@ -25,12 +26,14 @@ from typing import Any, Callable
 import torch.fx
 
 from fxmem.errors import InfeasibleBudgetError, PlanMismatchError, fmt_bytes
+from fxmem.planner.plan import graph_fingerprint
 from fxmem.planner.shape_reuse import decision_key, keep_chunks, kept_chunks
 from fxmem.trace.loss import DROP_OUTPUTS
 from fxmem.passes.chunked_loss import LossSite, chunk_loss, loss_sites
 
 log = logging.getLogger("fxmem")
 
+START_CHUNKS = 8  # the first count planned where the loss as traced does not fit (fewer traces than bisecting from the most)
 MAX_CHUNKS = 64  # more chunks lengthen the graph (each is ~20 ops a pass) for a few MiB less
 MIN_GAIN = 0.01  # chunking is not tried where the whole loss region is less than this share of the least budget
 WORTH_TRYING = 0.1  # where as traced fits, more chunks are planned only if the region is this share of the budget
@@ -128,12 +131,12 @@ def plan_with_loss_chunks(gm: torch.fx.GraphModule, request: Any, plan_graph: Pl
         except InfeasibleBudgetError as exc:
             return exc
 
-    key = decision_key(gm, request)
-    reused = _kept_count_fits(kept_chunks(key), chunked, as_traced)
+    key, fingerprint = decision_key(gm, request), graph_fingerprint(gm)
+    reused = _kept_count_fits(kept_chunks(key, fingerprint), chunked, as_traced)
     if reused is not None:
         return reused
     planned = _searched(gm, request, sites, chunked, as_traced)
-    keep_chunks(key, getattr(planned[0], "loss_chunks", 1))
+    keep_chunks(key, fingerprint, getattr(planned[0], "loss_chunks", 1))
     return planned
 
 
@@ -165,7 +168,7 @@ def _searched(gm: torch.fx.GraphModule, request: Any, sites: list[LossSite], chu
     if unchunked is not None and region < MIN_GAIN * unchunked.min_budget_bytes:
         raise unchunked  # the whole loss region is less than chunking must gain: the floor is elsewhere
     try:
-        fitting = chunked(most)
+        fitting = _first_fitting(chunked, most, region, request.budget_bytes, _weights_floor(gm))
     except InfeasibleBudgetError as exc:
         if unchunked is None and exc.min_budget_bytes >= floor:  # chunks may not go lower: compare
             unchunked = as_traced()
@@ -174,9 +177,49 @@ def _searched(gm: torch.fx.GraphModule, request: Any, sites: list[LossSite], chu
         if unchunked is None or exc.min_budget_bytes < unchunked.min_budget_bytes:
             raise _with_chunks(exc, most) from None
         raise unchunked from None
-    fitting = fewest_fitting(chunked, most, fitting, "loss in %d chunks")
-    log.info("fxmem: the loss is computed in %d chunks of tokens", fitting[0].loss_chunks)
-    return _fastest_chunks(chunked, fitting, lm_head_flops, most)
+    best = _fewer_while_faster(chunked, fitting)
+    if best is fitting:
+        best = _fastest_chunks(chunked, fitting, lm_head_flops, most)
+    log.info("fxmem: the loss is computed in %d chunks of tokens", best[0].loss_chunks)
+    return best
+
+
+def _weights_floor(gm: torch.fx.GraphModule) -> int:
+    """A lower bound on any plan's peak: the parameters and, at backward's end, the trained ones' gradients."""
+    return sum(p.numel() * p.element_size() * (1 + p.requires_grad) for p in gm.parameters())
+
+
+def _first_fitting(chunked: Callable[[int], tuple[Any, Any]], most: int, region: int, budget: int,
+                   floor: int) -> tuple[Any, Any]:
+    """The plan of the first count that fits among `START_CHUNKS`, twice it, ... up to `most`; after a count
+    whose least, less all the loss `region` more chunks could still free, is above `budget`, `most` next, and
+    `most` first where the budget is below the weights' `floor`. Raises `most`'s InfeasibleBudgetError where
+    none fits."""
+    chunks = most if budget < floor else min(START_CHUNKS, most)
+    while True:
+        try:
+            return chunked(chunks)
+        except InfeasibleBudgetError as exc:
+            if chunks >= most:
+                raise
+            hopeless = exc.min_budget_bytes - region * (1 / chunks - 1 / most) > budget
+            log.info("fxmem: loss in %d chunks: least budget %s", chunks, fmt_bytes(exc.min_budget_bytes))
+            chunks = most if hopeless else 2 * chunks
+
+
+def _fewer_while_faster(chunked: Callable[[int], tuple[Any, Any]], fitting: tuple[Any, Any]) -> tuple[Any, Any]:
+    """From `fitting`, half its chunks, and half again, while each fits and is predicted faster (fewer chunks
+    are fewer ops, where what they free is not needed); the fastest."""
+    best, chunks = fitting, fitting[0].loss_chunks // 2
+    while chunks >= 2:
+        try:
+            candidate = chunked(chunks)
+        except InfeasibleBudgetError:
+            break
+        if candidate[0].predicted_step_s >= best[0].predicted_step_s:
+            break
+        best, chunks = candidate, chunks // 2
+    return best
 
 
 def traced_floor(gm: torch.fx.GraphModule, sites: list[LossSite]) -> int:

@@ -274,9 +274,9 @@ class Planner:
         elif budget is not None and eager.timeline.peak + self.margin.bytes_for(budget) > budget:
             key = decision_key(joint, request, (budget, self.num_fwd_outputs))
             try:
-                chosen, solution, min_budget = self._reused(joint, lowered, key, budget) or \
+                chosen, solution, min_budget = self._reused(joint, lowered, key, fingerprint, budget) or \
                     self._fit_both(joint, lowered, split, budget)
-                remember(key, lowered.nodes, chosen.recompute, chosen.offloaded)
+                remember(key, fingerprint, lowered.nodes, chosen.recompute, chosen.offloaded)
             except InfeasibleBudgetError:
                 if eager.timeline.peak > budget:
                     raise
@@ -315,10 +315,10 @@ class Planner:
             fallback_ops=costs.fallback_ops(), priced_as=costs.kernels(),
             timelines={"eager": eager.timeline, "plan": chosen.timeline})
 
-    def _reused(self, joint, lowered: Lowered, key: str, budget: int):
+    def _reused(self, joint, lowered: Lowered, key: str, fingerprint: str, budget: int):
         """The decision kept for this step at other sizes (`fxmem.planner.shape_reuse`), where it fits this
         graph's budget less the margin as simulated; else None."""
-        found = recall(key, lowered.nodes)
+        found = recall(key, fingerprint, lowered.nodes)
         if found is None:
             return None
         started = time.perf_counter()

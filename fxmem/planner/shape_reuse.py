@@ -25,8 +25,8 @@ from typing import Any, Sequence
 import torch.fx
 
 MEMO_SIZE = 64
-_DECISIONS: OrderedDict[str, tuple[frozenset[str], frozenset[str]]] = OrderedDict()
-_CHUNKS: OrderedDict[str, int] = OrderedDict()  # captured step -> the chunk count its loss was planned in
+_DECISIONS: OrderedDict[str, tuple[str, frozenset[str], frozenset[str]]] = OrderedDict()  # + the graph's fingerprint
+_CHUNKS: OrderedDict[str, tuple[str, int]] = OrderedDict()  # captured step -> (its fingerprint, the loss's chunk count)
 
 
 def structure_key(gm: torch.fx.GraphModule) -> str:
@@ -51,38 +51,43 @@ def decision_key(gm: torch.fx.GraphModule, request: Any, extra: Any = None) -> s
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def remember(key: str, nodes: Sequence[torch.fx.Node], recompute: frozenset[int], offloaded: frozenset[int]) -> None:
-    """Keep the decision (candidate indices into `nodes`) by node name under `key`."""
-    _DECISIONS[key] = (frozenset(nodes[i].name for i in recompute), frozenset(nodes[i].name for i in offloaded))
+def remember(key: str, fingerprint: str, nodes: Sequence[torch.fx.Node], recompute: frozenset[int],
+             offloaded: frozenset[int]) -> None:
+    """Keep the decision (candidate indices into `nodes`) by node name under `key`, made for the graph
+    `fingerprint` (`fxmem.planner.plan.graph_fingerprint`)."""
+    _DECISIONS[key] = (fingerprint, frozenset(nodes[i].name for i in recompute),
+                       frozenset(nodes[i].name for i in offloaded))
     _DECISIONS.move_to_end(key)
     while len(_DECISIONS) > MEMO_SIZE:
         _DECISIONS.popitem(last=False)
 
 
-def recall(key: str, nodes: Sequence[torch.fx.Node]) -> tuple[frozenset[int], frozenset[int]] | None:
-    """The decision kept under `key` as candidate indices into `nodes`; None where none is kept or a name it
-    holds is not a candidate here."""
+def recall(key: str, fingerprint: str, nodes: Sequence[torch.fx.Node]) -> tuple[frozenset[int], frozenset[int]] | None:
+    """The decision kept under `key` for another shape, as candidate indices into `nodes`; None where none is
+    kept, where it was made for this very graph (`fingerprint`: planned again, it is solved again, as the
+    first time), or where a name it holds is not a candidate here."""
     found = _DECISIONS.get(key)
-    if found is None:
+    if found is None or found[0] == fingerprint:
         return None
     index = {node.name: i for i, node in enumerate(nodes)}
-    recompute, offloaded = found
+    _, recompute, offloaded = found
     if not (recompute | offloaded) <= index.keys():
         return None
     return frozenset(index[n] for n in recompute), frozenset(index[n] for n in offloaded)
 
 
-def keep_chunks(key: str, chunks: int) -> None:
-    """Keep the number of chunks the loss of the step under `key` was planned in."""
-    _CHUNKS[key] = chunks
+def keep_chunks(key: str, fingerprint: str, chunks: int) -> None:
+    """Keep the number of chunks the loss of the step under `key` was planned in, for the graph `fingerprint`."""
+    _CHUNKS[key] = (fingerprint, chunks)
     _CHUNKS.move_to_end(key)
     while len(_CHUNKS) > MEMO_SIZE:
         _CHUNKS.popitem(last=False)
 
 
-def kept_chunks(key: str) -> int | None:
-    """The chunk count kept under `key`, None where none is."""
-    return _CHUNKS.get(key)
+def kept_chunks(key: str, fingerprint: str) -> int | None:
+    """The chunk count kept under `key` for another shape; None where none is, or it was for this very graph."""
+    found = _CHUNKS.get(key)
+    return None if found is None or found[0] == fingerprint else found[1]
 
 
 def forget() -> None:

@@ -170,7 +170,10 @@ def _planned(model: torch.nn.Module, gm: torch.fx.GraphModule, args: Sequence[An
         return planner.plan, step
     joint, num_fwd_outputs = found or traced_joint(model, gm, args, kwargs, key)
     with partitioning(joint):
-        planner(joint, None, num_fwd_outputs=num_fwd_outputs)
+        if compile_step or request.pool or request.plan is not None:  # the passes run: the step, its pool, a plan applied
+            planner(joint, None, num_fwd_outputs=num_fwd_outputs)
+        else:  # the plan alone: nothing rewritten
+            planner.plan = planner.plan_only(joint, num_fwd_outputs)
     return planner.plan, CompiledStep(model, gm, planner) if compile_step else Uncompiled(planner)
 
 

@@ -1,6 +1,7 @@
 """`fxmem.planner.loss_chunks`: a `labels=` model whose logits are returned beside its loss cannot have its
 loss chunked; its refusal says so and names keep_outputs=False, which lets it chunk and need less.
-Where a plan fits, the chunk count is doubled while the plan gets faster; the least search skips
+Where a plan fits, the chunk count is doubled while the plan gets faster (where the loss as traced does not
+fit, counts are tried from 8 up, then fewer while faster); the least search skips
 planning the loss as traced below its floor."""
 from __future__ import annotations
 
@@ -68,6 +69,46 @@ def test_fastest_chunks_doubles_the_count_while_the_plan_gets_faster(predicted, 
     plan, _ = _fastest_chunks(chunked, chunked(min(predicted)), lm_head_flops=10, most=16)
     assert plan.loss_chunks == chosen and tried == asked
 
+
+
+def _least_counts(least: dict[int, int], predicted: dict[int, float], asked: list[int]):
+    """`_counts` where a count that does not fit names its least budget (`least`, bytes); each count planned
+    once, as the planner does."""
+    from types import SimpleNamespace
+
+    def chunked(k: int):
+        if k not in asked:
+            asked.append(k)
+        if k in least:
+            raise fxmem.InfeasibleBudgetError(100, least[k])
+        return SimpleNamespace(loss_chunks=k, predicted_step_s=predicted[k], extra_flops=50), None
+    return chunked
+
+
+@pytest.mark.parametrize("least, predicted, floor, chosen, asked", [
+    # 8 fits; 4 fits and is faster (fewer ops), 2 does not fit: 4, without planning 16, 32, 64
+    ({2: 150}, {4: 8.0, 8: 9.0}, 0, 4, [8, 4, 2]),
+    # 8 fits, 4 is slower: 8, then doubled while faster (16 is not)
+    ({}, {4: 9.5, 8: 9.0, 16: 9.2}, 0, 8, [8, 4, 16]),
+    # 8 misses by less than the region more chunks can free: 16 next, which fits
+    ({8: 110}, {16: 9.0, 32: 9.5}, 0, 16, [8, 16, 32]),
+    # 8 misses by more than the whole region: the most next
+    ({8: 400, 32: 150}, {64: 9.0}, 0, 64, [8, 64, 32]),
+    # a budget below the weights' floor: the most first
+    ({}, {64: 9.0, 32: 9.5}, 200, 64, [64, 32]),
+])
+def test_chunk_counts_are_searched_from_eight_then_fewer_while_faster(least, predicted, floor, chosen, asked):
+    from fxmem.planner.loss_chunks import _fewer_while_faster, _first_fitting
+
+    tried: list[int] = []
+    chunked = _least_counts(least, predicted, tried)
+    fitting = _first_fitting(chunked, most=64, region=160, budget=100, floor=floor)
+    plan, _ = _fewer_while_faster(chunked, fitting)
+    if plan is fitting[0]:  # the planner then doubles while faster (`_fastest_chunks`, above)
+        from fxmem.planner.loss_chunks import _fastest_chunks
+
+        plan, _ = _fastest_chunks(chunked, fitting, lm_head_flops=10, most=64)
+    assert plan.loss_chunks == chosen and tried == asked
 
 def test_least_is_the_same_when_the_loss_as_traced_is_not_planned_below_its_floor(monkeypatch):
     import torch.nn.functional as F

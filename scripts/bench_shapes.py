@@ -48,7 +48,7 @@ def main() -> None:
     model = GPT2LMHeadModel(config)
     batches = [{"input_ids": (ids := torch.randint(0, 8192, (args.batch, s))), "labels": ids} for s in args.seqs]
     budget = args.fraction * measured_step(model, batches[0])
-    optimized = fxmem.optimize(model, budget_gb=budget / 2**30)
+    optimized = fxmem.optimize(model, budget_gb=budget / 2**30, cache=False)  # planned here, not read from disk
     print(f"GPT-2 {args.layers}x{args.width}, batch {args.batch}, budget {budget / MIB:.2f} MiB "
           f"({args.fraction} x eager's measured peak at seq {args.seqs[0]})")
     firsts = []

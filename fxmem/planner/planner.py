@@ -49,7 +49,7 @@ from fxmem.solve.problem import (
     recompute_cost,
     saved_set,
 )
-from fxmem.planner.shape_reuse import decision_key, recall, remember
+from fxmem.planner.shape_reuse import decision_key, remember, reused
 from fxmem.planner.resident import refusal_with_resident, resident_parts, with_resident
 from fxmem.price.joint_problem import JointSplit, Lowered, build_problem, split_joint
 from fxmem.solve.recompute import least_peak, solve
@@ -274,7 +274,9 @@ class Planner:
         elif budget is not None and eager.timeline.peak + self.margin.bytes_for(budget) > budget:
             key = decision_key(joint, request, (budget, self.num_fwd_outputs))
             try:
-                chosen, solution, min_budget = self._reused(joint, lowered, key, fingerprint, budget) or \
+                simulate = lambda rec, off: self._candidate(joint, lowered, rec, off)  # noqa: E731
+                chosen, solution, min_budget = reused(key, fingerprint, lowered, simulate,
+                                                      budget - self.margin.bytes_for(budget)) or \
                     self._fit_both(joint, lowered, split, budget)
                 remember(key, fingerprint, lowered.nodes, chosen.recompute, chosen.offloaded)
             except InfeasibleBudgetError:
@@ -314,19 +316,6 @@ class Planner:
             timing=timing(request.device, timer), graph_device=graph_device(joint).type,
             fallback_ops=costs.fallback_ops(), priced_as=costs.kernels(),
             timelines={"eager": eager.timeline, "plan": chosen.timeline})
-
-    def _reused(self, joint, lowered: Lowered, key: str, fingerprint: str, budget: int):
-        """The decision kept for this step at other sizes (`fxmem.planner.shape_reuse`), where it fits this
-        graph's budget less the margin as simulated; else None."""
-        found = recall(key, fingerprint, lowered.nodes)
-        if found is None:
-            return None
-        started = time.perf_counter()
-        candidate = self._candidate(joint, lowered, *found)
-        if candidate.timeline.peak > budget - self.margin.bytes_for(budget):
-            log.info("the decision kept from another shape peaks at %s here: solving", fmt_bytes(candidate.timeline.peak))
-            return None
-        return candidate, make_solution(lowered.problem, found[0], "feasible", 0, started, "reused", found[1]), None
 
     def _fit_both(self, joint, lowered: Lowered, split: JointSplit, budget: int):
         """`_fit` with offload allowed and recompute-only; the faster plan that fits (recompute-only on ties)."""

@@ -19,10 +19,16 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
+import time
 from collections import OrderedDict
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch.fx
+
+from fxmem.solve.solution import Solution, make_solution
+
+log = logging.getLogger("fxmem")
 
 MEMO_SIZE = 64
 _DECISIONS: OrderedDict[str, tuple[str, frozenset[str], frozenset[str]]] = OrderedDict()  # + the graph's fingerprint
@@ -88,6 +94,22 @@ def kept_chunks(key: str, fingerprint: str) -> int | None:
     """The chunk count kept under `key` for another shape; None where none is, or it was for this very graph."""
     found = _CHUNKS.get(key)
     return None if found is None or found[0] == fingerprint else found[1]
+
+
+def reused(key: str, fingerprint: str, lowered: Any, simulate: Callable[[frozenset[int], frozenset[int]], Any],
+           target: int) -> tuple[Any, Solution, None] | None:
+    """(candidate, solution, no least) for the decision kept under `key` for another shape, where
+    `simulate(recompute, offloaded)`'s candidate peaks at most `target` bytes on this graph (`lowered`:
+    `fxmem.price.joint_problem.Lowered`); else None."""
+    found = recall(key, fingerprint, lowered.nodes)
+    if found is None:
+        return None
+    started = time.perf_counter()
+    candidate = simulate(*found)
+    if candidate.timeline.peak > target:
+        log.info("the decision kept from another shape peaks at %d bytes here: solving", candidate.timeline.peak)
+        return None
+    return candidate, make_solution(lowered.problem, found[0], "feasible", 0, started, "reused", found[1]), None
 
 
 def forget() -> None:

@@ -17,30 +17,17 @@ import functools
 import hashlib
 import json
 import logging
-import os
 import pathlib
-import tempfile
 import warnings
 from typing import Any, Callable
 
 from fxmem.errors import PlanMismatchError
+from fxmem.user_cache import cache_dir, write_atomic
 from fxmem.planner.plan import Plan
 
 log = logging.getLogger("fxmem")
 
 ENTRY_SCHEMA = 1
-_warned_unwritable: set[str] = set()
-
-
-def cache_dir() -> pathlib.Path | None:
-    """Where plans are kept, or None where the cache is off (`FXMEM_CACHE=0`)."""
-    if os.environ.get("FXMEM_CACHE", "1").strip().lower() in ("0", "false", "no", "off"):
-        return None
-    chosen = os.environ.get("FXMEM_CACHE_DIR")
-    if chosen:
-        return pathlib.Path(chosen).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(base) / "fxmem"
 
 
 @functools.lru_cache(maxsize=1)
@@ -129,14 +116,4 @@ def _read(path: pathlib.Path, fingerprint: str) -> Plan | None:
 
 
 def _write(path: pathlib.Path, entry: dict) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as tmp:
-            json.dump(entry, tmp, sort_keys=True, indent=1)
-        os.replace(tmp.name, path)
-    except OSError as exc:
-        folder = str(path.parent.parent.parent)
-        if folder not in _warned_unwritable:
-            _warned_unwritable.add(folder)
-            warnings.warn(f"fxmem: plans are not cached: {folder} cannot be written ({exc}); set FXMEM_CACHE_DIR "
-                          "to a writable folder, or FXMEM_CACHE=0 to plan without a cache", stacklevel=2)
+    write_atomic(path, entry, "plans are not cached")

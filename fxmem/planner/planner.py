@@ -24,6 +24,7 @@ import torch.fx
 from fxmem.price.cost import DEVICE_PRESETS, HOST_LINKS, CostTable, DeviceSpec, estimate
 from fxmem.errors import InfeasibleBudgetError, fmt_bytes
 from fxmem.planner.fitting import lowest, solved, spend_slack
+from fxmem.price import price_record
 from fxmem.price.kernel_timer import KernelTimer
 from fxmem.planner.margin import margin_for
 from fxmem.price.memory import (
@@ -252,6 +253,7 @@ class Planner:
         with stage("price"):
             costs = estimate(joint, request.device, backward=set(split.backward), timer=timer and timer.seconds,
                              fused=request.inner == "inductor")
+            price_record.flush()  # what was measured, for the next plan
             self._price_copies(costs)
             self.allocator = AllocatorModel.for_device(request.device).holding(*request.held_bytes)
             lowered = build_problem(joint, split, costs, budget or 0, self.allocator, request.replay_random,

@@ -10,7 +10,8 @@ launch-bound); on a CPU, for operands of 2 MiB and more, the median of calls eac
 the caches are flushed, as a step's kernels mostly find such operands out of cache.
 Caches the seconds per signature; each timer answers the fastest its process has measured for a
 signature (a virtual machine's kernels run up to 1.6x slower for seconds at a time, so one timer's windows can
-all fall in a slow spell), measured by the first MEASUREMENTS timers to meet it; writes nothing. Per-element arithmetic (`compute_seconds`) is timed on one CPU
+all fall in a slow spell), measured by the first MEASUREMENTS timers to meet it; keeps them on disk (`fxmem.price.price_record`), so a later
+plan, here or in another process, reads them rather than timing again. Per-element arithmetic (`compute_seconds`) is timed on one CPU
 thread and shared by the step's threads: a parallel kernel beside another busy process is timed by the
 scheduler, not by its arithmetic. Ops it cannot run, and ops whose tensors would
 take more than `max_bytes`, are left to the caller's roofline estimate (`seconds` returns None).
@@ -28,6 +29,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
+from fxmem.price import price_record
 from fxmem.price.memory import tensors_of
 
 COMPUTE_NUMEL = 1 << 16  # elements an op's arithmetic is timed on: they stay in cache, so memory is not the limit
@@ -73,6 +75,7 @@ class KernelTimer:
         key = (node.target, _signature(args), _signature(kwargs))
         if key not in self.cache:
             where = (str(self.device), key)
+            _read_record(where)
             if _TIMES_MEASURED.get(where, 0) < MEASUREMENTS:
                 _TIMES_MEASURED[where] = _TIMES_MEASURED.get(where, 0) + 1
                 self.cache[key] = _fastest(where, self._measure(node.target, args, kwargs))
@@ -122,8 +125,9 @@ class KernelTimer:
         """`_per_element`'s figure for `key`, once per timer, the fastest its process measured; 0 where it
         cannot be timed here (that cost left out of the price)."""
         if key not in self.per_element:
-            seconds = self._per_element(make_ops, dtype, numel)
-            self.per_element[key] = _fastest((str(self.device), "per element", key), seconds) or 0.0
+            where = (str(self.device), "per element", key)
+            seconds = None if _read_record(where) else self._per_element(make_ops, dtype, numel)
+            self.per_element[key] = _fastest(where, seconds) or 0.0
         return self.per_element[key]
 
     def _per_element(self, make_ops: Callable[[torch.Tensor], tuple[Callable, Callable]],
@@ -215,11 +219,24 @@ class KernelTimer:
 
 def _fastest(key: Hashable, seconds: float | None) -> float | None:
     """The fastest time this process measured for `key`, `seconds` included: a machine shared with other work
-    runs a kernel slower for seconds at a time, so one timer's three windows can all fall in a slow spell."""
+    runs a kernel slower for seconds at a time, so one timer's three windows can all fall in a slow spell.
+    Kept on disk for later plans (`fxmem.price.price_record`)."""
     if seconds is not None:
         earlier = _MEASURED.get(key)
         _MEASURED[key] = seconds if earlier is None else min(earlier, seconds)
+        price_record.record(key[0], key[1:], _MEASURED[key])
     return _MEASURED.get(key)
+
+
+def _read_record(where: tuple) -> bool:
+    """Take the seconds kept on disk for `where` (device, signature...) as measured as often as need be, where
+    this process has not measured it; True where it now has them."""
+    if where not in _MEASURED:
+        kept = price_record.recorded(where[0], where[1:])
+        if kept is None:
+            return False
+        _MEASURED[where], _TIMES_MEASURED[where] = kept, MEASUREMENTS
+    return True
 
 
 def _flush_buffer(device: torch.device) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 
 import fxmem
 from fxmem import models
+from fxmem import user_cache
 from fxmem.planner import plan_cache
 
 
@@ -116,7 +117,7 @@ def test_a_folder_that_cannot_be_written_plans_without_the_cache(tmp_path, monke
     blocked.write_text("")  # a file where the folder should be
     monkeypatch.setenv("FXMEM_CACHE", "1")
     monkeypatch.setenv("FXMEM_CACHE_DIR", str(blocked))
-    plan_cache._warned_unwritable.clear()
+    user_cache._warned_unwritable.clear()
     model, inputs = _gpt()
     with pytest.warns(UserWarning, match="plans are not cached: .* cannot be written"):
         plan = fxmem.plan(model, inputs, _budget(model, inputs), time_limit_s=2)

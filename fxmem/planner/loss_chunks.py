@@ -27,6 +27,7 @@ import torch.fx
 
 from fxmem.errors import InfeasibleBudgetError, PlanMismatchError, fmt_bytes
 from fxmem.planner.plan import graph_fingerprint
+from fxmem.planner import shape_reuse
 from fxmem.planner.shape_reuse import decision_key, keep_chunks, kept_chunks
 from fxmem.trace.loss import DROP_OUTPUTS
 from fxmem.passes.chunked_loss import LossSite, chunk_loss, loss_sites
@@ -135,7 +136,8 @@ def plan_with_loss_chunks(gm: torch.fx.GraphModule, request: Any, plan_graph: Pl
     reused = _kept_count_fits(kept_chunks(key, fingerprint), chunked, as_traced)
     if reused is not None:
         return reused
-    planned = _searched(gm, request, sites, chunked, as_traced)
+    with shape_reuse.one_step():  # each count after the first starts from the decision before
+        planned = _searched(gm, request, sites, chunked, as_traced)
     keep_chunks(key, fingerprint, getattr(planned[0], "loss_chunks", 1))
     return planned
 

@@ -50,7 +50,7 @@ from fxmem.solve.problem import (
     recompute_cost,
     saved_set,
 )
-from fxmem.planner.shape_reuse import decision_key, remember, reused
+from fxmem.planner.shape_reuse import decision_key, keep_seed, remember, reused, seeded
 from fxmem.planner.resident import refusal_with_resident, resident_parts, with_resident
 from fxmem.price.joint_problem import JointSplit, Lowered, build_problem, split_joint
 from fxmem.solve.recompute import least_peak, solve
@@ -276,11 +276,13 @@ class Planner:
         elif budget is not None and eager.timeline.peak + self.margin.bytes_for(budget) > budget:
             key = decision_key(joint, request, (budget, self.num_fwd_outputs))
             try:
-                simulate = lambda rec, off: self._candidate(joint, lowered, rec, off)  # noqa: E731
-                chosen, solution, min_budget = reused(key, fingerprint, lowered, simulate,
-                                                      budget - self.margin.bytes_for(budget)) or \
-                    self._fit_both(joint, lowered, split, budget)
+                simulate = lambda rec, off=frozenset(): self._candidate(joint, lowered, rec, off)  # noqa: E731
+                target = budget - self.margin.bytes_for(budget)
+                relax_s = max(RELAX_MIN_S, request.time_limit_s * RELAX_SHARE)
+                chosen, solution, min_budget = reused(key, fingerprint, lowered, simulate, target) or \
+                    seeded(lowered, simulate, target, relax_s) or self._fit_both(joint, lowered, split, budget)
                 remember(key, fingerprint, lowered.nodes, chosen.recompute, chosen.offloaded)
+                keep_seed(lowered.nodes, chosen.recompute)
             except InfeasibleBudgetError:
                 if eager.timeline.peak > budget:
                     raise

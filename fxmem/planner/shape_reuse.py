@@ -11,27 +11,34 @@ checked on the new sizes every time, so a reused plan keeps the same promise as 
 recompute more than a plan solved for the smaller shape would (its slack is not spent).
 
 The number of chunks the loss was computed in (`fxmem.planner.loss_chunks`) is kept the same way, under the
-captured graph's structure: a new shape plans that count first and searches only where it does not fit.
+captured graph's structure: a new shape plans that count first and searches only where it does not fit. Within
+one search over chunk counts (`one_step`), each count after the first starts from the decision of the count
+before (the blocks' nodes keep their names), its slack spent, and is solved afresh only where that does not fit.
 
 Reads joint graphs and planner requests; writes nothing but the in-process memos (`MEMO_SIZE` entries each).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
+import threading
 import time
 from collections import OrderedDict
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch.fx
 
+from fxmem.planner.fitting import spend_slack
+from fxmem.solve.problem import repair
 from fxmem.solve.solution import Solution, make_solution
 
 log = logging.getLogger("fxmem")
 
 MEMO_SIZE = 64
 _DECISIONS: OrderedDict[str, tuple[str, frozenset[str], frozenset[str]]] = OrderedDict()  # + the graph's fingerprint
+_step = threading.local()  # .seed: names the last plan of the step planned now recomputes (`one_step`)
 _CHUNKS: OrderedDict[str, tuple[str, int]] = OrderedDict()  # captured step -> (its fingerprint, the loss's chunk count)
 
 
@@ -110,6 +117,43 @@ def reused(key: str, fingerprint: str, lowered: Any, simulate: Callable[[frozens
         log.info("the decision kept from another shape peaks at %d bytes here: solving", candidate.timeline.peak)
         return None
     return candidate, make_solution(lowered.problem, found[0], "feasible", 0, started, "reused", found[1]), None
+
+
+@contextlib.contextmanager
+def one_step() -> Iterator[None]:
+    """Plans made inside are of one step (the graphs of its loss in several chunk counts, `fxmem.planner.loss_chunks`):
+    each after the first starts from the decision the one before chose (`seeded`)."""
+    outer = getattr(_step, "seed", None)
+    _step.seed = frozenset()
+    try:
+        yield
+    finally:
+        _step.seed = outer
+
+
+def keep_seed(nodes: Sequence[torch.fx.Node], recompute: frozenset[int]) -> None:
+    """Inside `one_step`, keep the decision just chosen (by node name) for the step's next graph."""
+    if getattr(_step, "seed", None) is not None:
+        _step.seed = frozenset(nodes[i].name for i in recompute)
+
+
+def seeded(lowered: Any, simulate: Callable[..., Any], target: int, relax_s: float) -> tuple[Any, Solution, None] | None:
+    """(candidate, solution, no least) from the decision kept by `keep_seed` for another graph of this step: what
+    it recomputes that this graph has (`repair`ed: what cannot be saved is recomputed with it), where its
+    simulated peak is within `target`, then what it recomputes kept while the graphs stay within it
+    (`fxmem.planner.fitting.spend_slack`); None outside `one_step`, before a decision, where offload is allowed
+    (recompute only) or where it does not fit."""
+    names = getattr(_step, "seed", None)
+    problem = lowered.problem
+    if not names or any(problem.can_offload):
+        return None
+    started = time.perf_counter()
+    recompute = repair(problem, (i for i, node in enumerate(lowered.nodes) if node.name in names))
+    candidate = simulate(recompute)
+    if candidate.timeline.peak > target:
+        return None
+    solution = make_solution(problem, recompute, "feasible", 0, started, "seeded")
+    return (*spend_slack(problem, candidate, solution, target, simulate, relax_s), None)
 
 
 def forget() -> None:

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import torch
 
 from fxmem import api
+from fxmem.budget import budget_bytes
 from fxmem.error_boundary import public
 from fxmem.errors import FxmemError, InfeasibleBudgetError
 from fxmem.trace.call_check import check_model
@@ -62,7 +63,7 @@ optimize.__doc__ = f"{optimize.__doc__}\n\n    One device's step, as `fxmem.api.
 def _sharded(model: torch.nn.Module, mesh: Any, args: tuple, kwargs: dict, options: dict) -> torch.nn.Module:
     import torch.distributed as dist
 
-    from fxmem.fsdp import FsdpPlan, shard
+    from fxmem.fsdp import FsdpPlan, block_list, shard
     check_model(model)
     other = next((k for k, v in options.items() if k not in RANK_OPTIONS and v != _default(k)), None)
     if other is not None:
@@ -71,6 +72,7 @@ def _sharded(model: torch.nn.Module, mesh: Any, args: tuple, kwargs: dict, optio
     if getattr(mesh, "ndim", None) != 1:
         raise ValueError(f"mesh= must be a 1-D DeviceMesh over the ranks that shard the model (FSDP2), got {mesh!r}")
     budget_gb, given, optimizer = options.get("budget_gb"), options.get("plan"), options.get("optimizer")
+    time_limit_s = api.check_time_limit(options.get("time_limit_s", api.OPTIMIZE_SPELLINGS["time_limit_s"]))
     if (budget_gb is None) == (given is None):
         raise ValueError("with mesh=, pass exactly one of budget_gb= (per rank, planned now) or plan= "
                          "(an FsdpPlan from fxmem.fsdp.plan_fsdp)")
@@ -86,8 +88,11 @@ def _sharded(model: torch.nn.Module, mesh: Any, args: tuple, kwargs: dict, optio
         if not args and not kwargs:
             raise ValueError("mesh= plans the rank now, before training: pass example_inputs= (and example_kwargs=), "
                              "one rank's batch")
+        budget_bytes(budget_gb), block_list(model)  # what every rank can check is refused on every rank
+        spec = api.device_spec(options.get("target") or options.get("device"), model=model)
         group = mesh.get_group()
-        payload = [_plan_in_child(model, args, kwargs, mesh.size(), budget_gb, optimizer, options)
+        payload = [_plan_in_child(model, args, kwargs, budget_gb, {"world_size": mesh.size(), "optimizer": optimizer,
+                                                                   "target": spec, "time_limit_s": time_limit_s})
                    if dist.get_rank(group) == 0 else None]
         dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0), group=group)
         given = FsdpPlan(**json.loads(_raise_if_error(payload[0])))
@@ -102,16 +107,12 @@ def _default(keyword: str) -> Any:
     return params[keyword].default if keyword in params else api.OPTIMIZE_SPELLINGS.get(keyword)
 
 
-def _plan_in_child(model: torch.nn.Module, args: tuple, kwargs: dict, world_size: int, budget_gb: float,
-                   optimizer: Any, options: dict) -> dict:
+def _plan_in_child(model: torch.nn.Module, args: tuple, kwargs: dict, budget_gb: float, settings: dict) -> dict:
     """Rank 0's plan as {"plan": its JSON} or {"error": ...}: planned in a fresh process (no process group
     there), from a CPU copy of the model and batch; never raises, so every rank hears the outcome."""
     try:
-        spec = api.device_spec(options.get("target") or options.get("device"), model=model)
         buffer = io.BytesIO()
         torch.save((model, args, kwargs), buffer)
-        settings = {"world_size": world_size, "optimizer": optimizer, "target": spec,
-                    "time_limit_s": options.get("time_limit_s", api.OPTIMIZE_SPELLINGS["time_limit_s"])}
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
             return pool.submit(plan_rank, buffer.getvalue(), budget_gb, settings).result()
     except Exception as exc:  # noqa: BLE001 - reported on every rank by _raise_if_error

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -38,7 +39,27 @@ def llama_case():
     return model, (), {"input_ids": ids, "labels": ids}
 
 
-CASES = {"gpt": gpt_case, "llama": llama_case}
+class Toy(torch.nn.Module):
+    """An input layer and two blocks: planned in seconds, for what planning's outcome alone shows."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(16, 16)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(2))
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def toy_case():
+    torch.manual_seed(0)
+    return Toy(), (torch.randn(4, 16, generator=torch.Generator().manual_seed(1)),), {}
+
+
+CASES = {"gpt": gpt_case, "llama": llama_case, "toy": toy_case}
 
 
 def loss_of(out):
@@ -152,12 +173,20 @@ def _rank(rank: int, port: int, plans: dict, out_dir: str) -> None:
     for key, given in plans.items():
         model, args, kwargs = CASES[key.split(":")[0]]()
         ref = copy.deepcopy(model)
+        began = time.perf_counter()
+        if key.endswith(":infeasible"):  # every rank hears rank 0's refusal
+            try:
+                fxmem.optimize(model, budget_gb=given / 2**30, mesh=mesh, example_inputs=args, optimizer="adamw")
+            except fxmem.InfeasibleBudgetError as exc:
+                results[key] = {"error": str(exc), "least": exc.min_budget_bytes, "seconds": time.perf_counter() - began}
+            continue
         if isinstance(given, str):
             sharded, plan = shard(model, mesh, FsdpPlan(**json.loads(given))), given
         else:
             sharded = fxmem.optimize(model, budget_gb=given / 2**30, mesh=mesh, example_inputs=args,
                                      example_kwargs=kwargs, optimizer="adamw")
             plan = sharded.fxmem_plan.to_json()
+        seconds = time.perf_counter() - began  # planned (fxmem.optimize) or sharded (shard)
         opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, sharded)]
         grads_equal = True
         for step in range(3):
@@ -176,7 +205,7 @@ def _rank(rank: int, port: int, plans: dict, out_dir: str) -> None:
             out = sharded(*args, **kwargs)
             loss_of(out).backward()
         peak = max(s["Total"] for s in tracker.get_tracker_snapshot("peak").values())
-        results[key] = {"grads_equal": grads_equal, "params_equal": params_equal, "peak": peak, "plan": plan}
+        results[key] = {"grads_equal": grads_equal, "params_equal": params_equal, "peak": peak, "plan": plan, "seconds": seconds}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()
@@ -205,13 +234,16 @@ def planned():
 @pytest.fixture(scope="module")
 def ranks(planned, tmp_path_factory):
     """One run of two gloo processes: the offline plans (`shard`), and `fxmem.optimize(..., mesh=)` at two
-    per-rank budgets, the Llama's FSDP2 peak and the GPT's below it; each rank's results."""
+    per-rank budgets, the Llama's FSDP2 peak and the GPT's below it, and at one byte; each rank's results."""
     import torch.multiprocessing as mp
     out = tmp_path_factory.mktemp("ranks")
     cases = {key: plan.to_json() for key, plan in planned.items()}
-    cases |= {"llama:optimize": planned["llama:fits"].budget_bytes, "gpt:optimize": planned["gpt:recompute"].budget_bytes}
+    cases |= {"llama:optimize": planned["llama:fits"].budget_bytes, "gpt:optimize": planned["gpt:recompute"].budget_bytes,
+              "toy:infeasible": 1}
     mp.spawn(_rank, args=(_free_port(), cases, str(out)), nprocs=WORLD)
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+    found = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+    print({key: round(got["seconds"], 1) for key, got in found[0].items()})  # seconds per case on rank 0 (-s)
+    return found
 
 
 @gloo
@@ -243,3 +275,11 @@ def test_optimize_with_mesh_plans_shards_and_trains_like_eager(planned, ranks):
             assert got["grads_equal"] and got["params_equal"], key
             assert got["peak"] <= planned[offline].budget_bytes, (key, got["peak"])
             assert abs(got["peak"] - plan.predicted_peak_bytes) <= 0.02 * got["peak"], (key, got, plan.predicted_peak_bytes)
+
+
+@gloo
+def test_optimize_with_mesh_refuses_an_infeasible_budget_on_every_rank(ranks):
+    """A per-rank budget no plan fits: rank 0's refusal is raised on every rank, the same line naming the least."""
+    errors = [(results["toy:infeasible"]["error"], results["toy:infeasible"]["least"]) for results in ranks]
+    assert errors[0] == errors[1] and errors[0][1] > 1
+    assert "\n" not in errors[0][0] and "raise budget_gb to at least" in errors[0][0]

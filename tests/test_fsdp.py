@@ -283,3 +283,17 @@ def test_optimize_with_mesh_refuses_an_infeasible_budget_on_every_rank(ranks):
     errors = [(results["toy:infeasible"]["error"], results["toy:infeasible"]["least"]) for results in ranks]
     assert errors[0] == errors[1] and errors[0][1] > 1
     assert "\n" not in errors[0][0] and "raise budget_gb to at least" in errors[0][0]
+
+
+def test_optimize_with_mesh_applies_an_offline_plan():
+    """`plan=` an FsdpPlan made offline, with `mesh=`: the model comes back sharded as `shard` shards it, no planning."""
+    import fxmem
+    from torch.distributed.fsdp import FSDPModule
+
+    from fxmem.fsdp import fake_group
+    model, _, _ = gpt_case()
+    plan = FsdpPlan(WORLD, "blocks", True, None, 0)
+    with fake_group(WORLD) as mesh:
+        sharded = fxmem.optimize(model, plan=plan, mesh=mesh)
+        assert sharded is model and sharded.fxmem_plan == plan
+        assert all(isinstance(m, FSDPModule) for m in (sharded, *sharded.blocks))

@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _EXPORTS = {
-    "plan": "fxmem.api", "optimize": "fxmem.api", "OptimizedModule": "fxmem.run.engine",
+    "plan": "fxmem.api", "optimize": "fxmem.ranks", "OptimizedModule": "fxmem.run.engine",
     "pipeline_stage": "fxmem.dist.pipeline", "capture": "fxmem.trace.capture", "Plan": "fxmem.planner.plan",
     "DeviceSpec": "fxmem.price.cost", "HostLink": "fxmem.price.cost",
     "FxmemError": "fxmem.errors", "InfeasibleBudgetError": "fxmem.errors", "TraceError": "fxmem.errors",

@@ -5,7 +5,9 @@ Reads an unsharded model, its example inputs and a world size; writes nothing (a
 step under torch's fake process group (one process, no communication: every collective returns
 buffers of the right size) on fake tensors (`fxmem.dist.fsdp_fake`: no weights needed, a meta model works),
 metered by MemTracker; `shard` applies FSDP2 as torchtitan does (every block,
-then the root) with the block plan's compiled step installed in every block (`docs/fsdp.md`).
+then the root) with the block plan's compiled step installed in every block (`docs/fsdp.md`). Both serve
+offline plans; inside a job, `fxmem.optimize(model, budget_gb=..., mesh=mesh)` (`fxmem.ranks`) plans with
+`plan_fsdp` on rank 0 and shards every rank with `shard`.
 """
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -38,7 +39,27 @@ def llama_case():
     return model, (), {"input_ids": ids, "labels": ids}
 
 
-CASES = {"gpt": gpt_case, "llama": llama_case}
+class Toy(torch.nn.Module):
+    """An input layer and two blocks: planned in seconds, for what planning's outcome alone shows."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(16, 16)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(2))
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def toy_case():
+    torch.manual_seed(0)
+    return Toy(), (torch.randn(4, 16, generator=torch.Generator().manual_seed(1)),), {}
+
+
+CASES = {"gpt": gpt_case, "llama": llama_case, "toy": toy_case}
 
 
 def loss_of(out):
@@ -67,10 +88,44 @@ def test_fully_sharded_model_is_refused_naming_plan_fsdp():
     model, args, _ = gpt_case()
     with fake_group(WORLD) as mesh:
         sharded = shard(model, mesh)
-        for call in (lambda: fxmem.optimize(sharded, budget_gb=1.0), lambda: fxmem.plan(sharded, args, 1.0)):
-            with pytest.raises(ValueError, match=r"fully_shard-ed \(FSDP2\).*fxmem\.fsdp\.plan_fsdp") as err:
+        for call in (lambda: fxmem.optimize(sharded, budget_gb=1.0), lambda: fxmem.plan(sharded, args, 1.0),
+                     lambda: fxmem.optimize(sharded, budget_gb=1.0, mesh=mesh, example_inputs=args)):
+            with pytest.raises(ValueError, match=r"fully_shard-ed \(FSDP2\).*unsharded model.*mesh=.*"
+                                                 r"fxmem\.fsdp\.plan_fsdp") as err:
                 call()
             assert "\n" not in str(err.value)
+
+
+def test_optimize_with_mesh_refuses_in_one_line():
+    """What a rank's plan cannot take is refused before any planning, each in one line naming what to pass."""
+    import fxmem
+    from fxmem.fsdp import fake_group
+    model, args, _ = gpt_case()
+    with fake_group(WORLD) as mesh:
+        for kwargs, words in (({"budget_gb": 1.0, "pool": True}, "pool= plans one device's step"),
+                              ({"budget_gb": 1.0, "mesh": "cpu"}, "1-D DeviceMesh"),
+                              ({}, "exactly one of budget_gb="), ({"budget_gb": 1.0}, "pass example_inputs="),
+                              ({"plan": FsdpPlan(WORLD + 1, "blocks", True, None, 0)}, "made for 3 ranks"),
+                              ({"budget_gb": 1.0, "optimizer": torch.optim.SGD(model.parameters())}, "a name")):
+            with pytest.raises((ValueError, TypeError), match=words) as err:
+                fxmem.optimize(model, **{"mesh": mesh, **kwargs})
+            assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="go with mesh="):
+        fxmem.optimize(model, budget_gb=1.0, example_inputs=args)
+
+
+def test_rank_zeros_refusal_is_raised_on_every_rank_as_there():
+    """An infeasible per-rank budget met on rank 0 crosses to every rank as the same one-line error naming the
+    least (the payload rank 0 broadcasts); any other error as one line naming rank 0's planning."""
+    from fxmem.errors import FxmemError, InfeasibleBudgetError
+    from fxmem.ranks import _error, _raise_if_error
+    there = InfeasibleBudgetError(1000, 5000, {"param_shards": 300}, proven=False)
+    with pytest.raises(InfeasibleBudgetError) as err:
+        _raise_if_error(json.loads(json.dumps(_error(there))))
+    assert str(err.value) == str(there) and "\n" not in str(there) and err.value.min_budget_bytes == 5000
+    with pytest.raises(FxmemError, match="planning the rank on rank 0 failed: KeyError") as err:
+        _raise_if_error(_error(KeyError("blocks\nmore")))
+    assert "\n" not in str(err.value)
 
 
 def test_fake_rank_equals_real_rank():
@@ -101,8 +156,9 @@ def _free_port() -> int:
 
 
 def _rank(rank: int, port: int, plans: dict, out_dir: str) -> None:
-    """Each case's plans on this rank: one step's full gradients and three AdamW steps against eager in
-    one process, then the measured peak of a step with AdamW's state resident."""
+    """Each case on this rank (a plan's JSON, sharded with `shard`; or a per-rank budget in bytes, given to
+    `fxmem.optimize(..., mesh=)`, which plans and shards): one step's full gradients and three AdamW steps
+    against eager in one process, then the measured peak of a step with AdamW's state resident."""
     import copy
 
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -113,10 +169,24 @@ def _rank(rank: int, port: int, plans: dict, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     mesh = init_device_mesh("cpu", (WORLD,))
     results = {}
-    for key, text in plans.items():
+    import fxmem
+    for key, given in plans.items():
         model, args, kwargs = CASES[key.split(":")[0]]()
         ref = copy.deepcopy(model)
-        sharded = shard(model, mesh, FsdpPlan(**json.loads(text)))
+        began = time.perf_counter()
+        if key.endswith(":infeasible"):  # every rank hears rank 0's refusal
+            try:
+                fxmem.optimize(model, budget_gb=given / 2**30, mesh=mesh, example_inputs=args, optimizer="adamw")
+            except fxmem.InfeasibleBudgetError as exc:
+                results[key] = {"error": str(exc), "least": exc.min_budget_bytes, "seconds": time.perf_counter() - began}
+            continue
+        if isinstance(given, str):
+            sharded, plan = shard(model, mesh, FsdpPlan(**json.loads(given))), given
+        else:
+            sharded = fxmem.optimize(model, budget_gb=given / 2**30, mesh=mesh, example_inputs=args,
+                                     example_kwargs=kwargs, optimizer="adamw")
+            plan = sharded.fxmem_plan.to_json()
+        seconds = time.perf_counter() - began  # planned (fxmem.optimize) or sharded (shard)
         opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, sharded)]
         grads_equal = True
         for step in range(3):
@@ -135,7 +205,7 @@ def _rank(rank: int, port: int, plans: dict, out_dir: str) -> None:
             out = sharded(*args, **kwargs)
             loss_of(out).backward()
         peak = max(s["Total"] for s in tracker.get_tracker_snapshot("peak").values())
-        results[key] = {"grads_equal": grads_equal, "params_equal": params_equal, "peak": peak}
+        results[key] = {"grads_equal": grads_equal, "params_equal": params_equal, "peak": peak, "plan": plan, "seconds": seconds}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()
@@ -161,18 +231,69 @@ def planned():
     return plans
 
 
+@pytest.fixture(scope="module")
+def ranks(planned, tmp_path_factory):
+    """One run of two gloo processes: the offline plans (`shard`), and `fxmem.optimize(..., mesh=)` at two
+    per-rank budgets, the Llama's FSDP2 peak and the GPT's below it, and at one byte; each rank's results."""
+    import torch.multiprocessing as mp
+    out = tmp_path_factory.mktemp("ranks")
+    cases = {key: plan.to_json() for key, plan in planned.items()}
+    cases |= {"llama:optimize": planned["llama:fits"].budget_bytes, "gpt:optimize": planned["gpt:recompute"].budget_bytes,
+              "toy:infeasible": 1}
+    mp.spawn(_rank, args=(_free_port(), cases, str(out)), nprocs=WORLD)
+    found = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+    print({key: round(got["seconds"], 1) for key, got in found[0].items()})  # seconds per case on rank 0 (-s)
+    return found
+
+
 @gloo
-def test_ranks_within_budget_and_equal_eager(planned, tmp_path):
+def test_ranks_within_budget_and_equal_eager(planned, ranks):
     """Two gloo processes: per-rank measured peak <= budget and within 2% of the prediction; full gradients
     after one step and parameters after three AdamW steps equal one process's eager training."""
-    import torch.multiprocessing as mp
     assert planned["llama:fits"].block_plan is None and planned["gpt:recompute"].block_plan is not None
     assert planned["llama:full"].block_plan is not None  # fxmem's blocks at torch's full checkpointing's peak
-    mp.spawn(_rank, args=(_free_port(), {k: p.to_json() for k, p in planned.items()}, str(tmp_path)), nprocs=WORLD)
-    for rank in range(WORLD):
-        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    for results in ranks:
         for key, plan in planned.items():
             got = results[key]
             assert got["grads_equal"] and got["params_equal"], key
             assert got["peak"] <= plan.budget_bytes, (key, got["peak"], plan.budget_bytes)
             assert abs(got["peak"] - plan.predicted_peak_bytes) <= 0.02 * got["peak"], (key, got, plan.predicted_peak_bytes)
+
+
+@gloo
+def test_optimize_with_mesh_plans_shards_and_trains_like_eager(planned, ranks):
+    """`fxmem.optimize(model, budget_gb=..., mesh=mesh)` on the unsharded model: every rank runs the plan rank 0
+    made (the same JSON), as `plan_fsdp` plans it (eager blocks at FSDP2's peak, fxmem's block plan below it);
+    the measured peak per rank is within the budget, and training equals one process's eager training."""
+    for key, offline in (("llama:optimize", "llama:fits"), ("gpt:optimize", "gpt:recompute")):
+        plans = {results[key]["plan"] for results in ranks}
+        assert len(plans) == 1, key  # one plan on every rank
+        plan = FsdpPlan(**json.loads(plans.pop()))
+        assert plan.world_size == WORLD and (plan.block_plan is None) == (planned[offline].block_plan is None), key
+        for results in ranks:
+            got = results[key]
+            assert got["grads_equal"] and got["params_equal"], key
+            assert got["peak"] <= planned[offline].budget_bytes, (key, got["peak"])
+            assert abs(got["peak"] - plan.predicted_peak_bytes) <= 0.02 * got["peak"], (key, got, plan.predicted_peak_bytes)
+
+
+@gloo
+def test_optimize_with_mesh_refuses_an_infeasible_budget_on_every_rank(ranks):
+    """A per-rank budget no plan fits: rank 0's refusal is raised on every rank, the same line naming the least."""
+    errors = [(results["toy:infeasible"]["error"], results["toy:infeasible"]["least"]) for results in ranks]
+    assert errors[0] == errors[1] and errors[0][1] > 1
+    assert "\n" not in errors[0][0] and "raise budget_gb to at least" in errors[0][0]
+
+
+def test_optimize_with_mesh_applies_an_offline_plan():
+    """`plan=` an FsdpPlan made offline, with `mesh=`: the model comes back sharded as `shard` shards it, no planning."""
+    import fxmem
+    from torch.distributed.fsdp import FSDPModule
+
+    from fxmem.fsdp import fake_group
+    model, _, _ = gpt_case()
+    plan = FsdpPlan(WORLD, "blocks", True, None, 0)
+    with fake_group(WORLD) as mesh:
+        sharded = fxmem.optimize(model, plan=plan, mesh=mesh)
+        assert sharded is model and sharded.fxmem_plan == plan
+        assert all(isinstance(m, FSDPModule) for m in (sharded, *sharded.blocks))

@@ -42,8 +42,8 @@ def check_model(model: Any) -> None:
     sharded = next((name or "the model" for name, m in model.named_modules() if _is_fsdp2(m)), None)
     if sharded is not None:
         raise ValueError(f"{sharded} is fully_shard-ed (FSDP2): fxmem plans an FSDP2 rank from the unsharded model; "
-                         "use fxmem.fsdp.plan_fsdp(model, inputs, budget_gb, world_size=N), then "
-                         "fxmem.fsdp.shard(model, mesh, plan) on every rank (docs/fsdp.md)")
+                         "pass it with mesh= (fxmem.optimize(model, budget_gb=..., mesh=mesh, example_inputs=...) "
+                         "shards it), or plan offline with fxmem.fsdp.plan_fsdp (docs/fsdp.md)")
 
 
 def _is_fsdp2(module: torch.nn.Module) -> bool:

@@ -44,7 +44,7 @@ def _at(zoo, fraction):
     name, model, inputs, eager, lowest, made = zoo
     if fraction not in made:
         budget = int(lowest + fraction * (eager.baseline_peak_bytes - lowest))
-        plan = fxmem.plan(model, inputs, budget_gb=budget / GIB, time_limit_s=5)
+        plan = fxmem.plan(model, inputs, budget_gb=budget / GIB, time_limit_s=2)
         made[fraction] = budget, plan, measure_peak_bytes(fxmem.optimize(model, plan=plan), inputs)
     return made[fraction]
 

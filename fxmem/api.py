@@ -8,6 +8,7 @@ a progress line on stderr while planning on a terminal (`fxmem.progress.planning
 from __future__ import annotations
 
 import contextlib
+import logging
 
 from dataclasses import replace
 from typing import Any, Sequence
@@ -25,7 +26,9 @@ from fxmem.error_boundary import public
 from fxmem.run.inductor.step import check_inner, default_inner, replays_random
 from fxmem.trace.step import planned_step
 from fxmem.trace.meta_device import planned_on, refuse_meta_model
-from fxmem.price.optimizer_state import model_state_bytes
+from fxmem.price.host_update import host_update_bytes_per_s
+from fxmem.price.optimizer_state import model_state_bytes, per_parameter
+from fxmem.run.host_optimizer import SUPPORTED, HostOptimizer, supports
 from fxmem.dist.pipeline import PipelineRequest, plan_pipeline
 from fxmem.dist.placement import PlacedModule, check_devices
 from fxmem.planner.options import Loss, Pipeline, Solver, spelled_out
@@ -39,6 +42,7 @@ from fxmem.trace.wrapper import presented
 from fxmem.run.step_timer import measured_overheads
 
 POOL_MODES = (False, True, "all")
+log = logging.getLogger("fxmem")
 
 
 def check_pool(pool: Any) -> bool | str:
@@ -114,12 +118,20 @@ def make_request(model: torch.nn.Module, args: tuple, kwargs: dict, *, budget: i
         device = measured_overheads(device, where)
     name = getattr(model, "display_name", type(model).__qualname__)
     check_solver(solver)
+    host = offload and optimizer is not None and plan is None and budget is not None and supports(optimizer)
     return PlanRequest(budget_bytes=plan.budget_bytes if plan is not None else budget, plan=plan, device=device,
                        solver=solver, time_limit_s=time_limit_s, model=name,
                        signature=signature_of(model, args, kwargs), offload=bool(offload), pool=pool,
                        calibrate=bool(calibrate), resident_bytes=model_state_bytes(optimizer, model), chunk_loss=True,
                        policy=policy, inner=inner, replay_random=replays_random(inner),
-                       replay_ops="torch" if inner == "inductor" else "functions", cache=bool(cache))
+                       replay_ops="torch" if inner == "inductor" else "functions", cache=bool(cache),
+                       host_state=per_parameter(optimizer, model) if host else (),
+                       host_update_bytes_per_s=host_update_bytes_per_s(_fused(optimizer)) if host else 0.0)
+
+
+def _fused(optimizer: Any) -> bool:
+    """Whether the optimizer runs torch's fused kernel (its host update then does too)."""
+    return bool(getattr(optimizer, "param_groups", [{}])[0].get("fused"))
 
 
 # the keywords `plan` and `optimize` take besides their own, with their defaults: a group's spellings, and
@@ -310,4 +322,24 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
                             optimizer=optimizer, policy=policy, inner=inner, cache=cache)
 
     measure = plan is None and (policy is None or policy.name == "speed")  # eager's peak is compared with the budget
-    return presented(OptimizedModule(model, request_for, (model_loss, keep_outputs is not False, measure)))
+    hosted = host_optimizer(optimizer, offload)
+    if hosted is not None:
+        optimizer = hosted
+    return presented(OptimizedModule(model, request_for, (model_loss, keep_outputs is not False, measure),
+                                     optimizer=hosted))
+
+
+def host_optimizer(optimizer: Any, offload: bool) -> HostOptimizer | None:
+    """With offload, the optimizer the user steps (`OptimizedModule.fxmem_optimizer`): `optimizer`'s training
+    with the state of the parameters the plan names on the host. None without offload or an optimizer; an
+    optimizer whose state cannot live on the host (`fxmem.run.host_optimizer.SUPPORTED`) is planned on the
+    device, with one line saying so."""
+    if not offload or optimizer is None or isinstance(optimizer, (str, int, float)):
+        return None
+    if isinstance(optimizer, HostOptimizer):
+        return optimizer
+    if not supports(optimizer):
+        log.warning("fxmem: %s's state stays on the device (host state: %s)", type(optimizer).__name__,
+                    ", ".join(SUPPORTED))
+        return None
+    return HostOptimizer(optimizer)

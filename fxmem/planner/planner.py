@@ -49,6 +49,7 @@ from fxmem.solve.problem import (
     recompute_cost,
     saved_set,
 )
+from fxmem.planner.host_state import plan_with_host_state
 from fxmem.planner.resident import refusal_with_resident, resident_parts, with_resident
 from fxmem.price.joint_problem import JointSplit, Lowered, build_problem, split_joint
 from fxmem.solve.recompute import least_peak, solve
@@ -88,6 +89,10 @@ class PlanRequest:
     resident_bytes: int = 0  # on the device for the whole step besides the graphs: the optimizer's state
     resident_gradient_bytes: int = 0  # gradients that exist when the step starts (fxmem.price.accumulation)
     resident_gradients: str = ""  # what they are, for the plan's table ("accumulating", zeros)
+    # with offload: (name, optimizer-state bytes, value bytes) of each parameter whose state may live on the host,
+    # in gradient order, and the host CPU's update rate (parameter bytes/s); the planner decides (planner/host_state.py)
+    host_state: tuple[tuple[str, int, int], ...] = ()
+    host_update_bytes_per_s: float = 0.0
     held_bytes: tuple[int, int] = (0, 0)  # what the step's other graphs hold during this graph's forward, backward
     capture: str = ""  # how the graph was captured, for the plan's table
     loss: str = ""  # where the step's loss is (fxmem.trace.loss), for the plan's table
@@ -116,6 +121,7 @@ class Planner:
         self.plan: Plan | None = None
         self._seconds: dict[str, float] = {}  # per joint node, for timing offload copies
         self._views: frozenset[str] = frozenset()
+        self._backward_s = 0.0  # the backward time of the graph planned last (host copies overlap it)
         self.allocator = EXACT  # what the target device's allocator holds beside the tensors
         self.margin = margin_for(request.device.name)  # how far below the budget plans aim (fxmem.planner.margin)
 
@@ -210,10 +216,19 @@ class Planner:
 
     def _fresh_plan(self, joint: torch.fx.GraphModule, fingerprint: str) -> Plan:
         """The plan for the budget less the resident bytes (`fxmem.planner.resident`: the optimizer's state, the
-        gradients accumulated into), stated for the whole budget."""
+        gradients accumulated into), stated for the whole budget; with offload and `host_state`, the state's
+        place (device or host) decided with it (`fxmem.planner.host_state`)."""
+        request = self.request
+        if request.offload and request.host_state and request.budget_bytes is not None and request.policy is None:
+            return plan_with_host_state(request, lambda state: self._resident_plan(joint, fingerprint, state),
+                                        lambda: self._backward_s, self.margin.bytes_for(request.budget_bytes))
+        return self._resident_plan(joint, fingerprint, request.resident_bytes)
+
+    def _resident_plan(self, joint: torch.fx.GraphModule, fingerprint: str, state_bytes: int) -> Plan:
+        """The plan with `state_bytes` of optimizer state on the device."""
         request = self.request
         budget = request.budget_bytes
-        parts = resident_parts(request.resident_bytes, request.resident_gradient_bytes, request.resident_gradients)
+        parts = resident_parts(state_bytes, request.resident_gradient_bytes, request.resident_gradients)
         resident = sum(parts.values())
         policy = request.policy
         if not resident:
@@ -288,6 +303,7 @@ class Planner:
         recomputed = _recomputed(chosen, split, self._views)
         offloaded = [lowered.nodes[i].name for i in sorted(chosen.offloaded)]
         exposed_s = offload_cost(lowered.problem, chosen.offloaded) / 1e9
+        self._backward_s = sum(costs[n.name].seconds for n in split.backward if n.name in costs.nodes)
         fixed_s = request.device.fixed_seconds(trained_parameters(joint, self.num_fwd_outputs))
         return Plan(
             budget_bytes=int(budget) if budget is not None else chosen.timeline.peak, policy=described,

@@ -26,6 +26,8 @@ SUPPORTED = ("adam", "adamw")  # state and update on the host; other optimizers 
 
 def supports(optimizer: Any) -> bool:
     """Whether the state of `optimizer` (an instance, or a name such as "adamw") may live on the host."""
+    if isinstance(optimizer, HostOptimizer):
+        optimizer = optimizer.optimizer_class.__name__
     name = optimizer if isinstance(optimizer, str) else type(optimizer).__name__
     return name.lower() in SUPPORTED
 

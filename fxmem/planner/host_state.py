@@ -1,0 +1,104 @@
+"""Optimizer state in host memory as the planner's decision, jointly with the activations' plan.
+
+Reads the request's trainable parameters (name, optimizer-state bytes, value bytes, in the order backward
+produces their gradients), the target's host link and the host CPU's update rate (`fxmem.price.host_update`),
+and a function that plans the step's graphs with a given number of state bytes on the device (raising
+`InfeasibleBudgetError` where nothing fits). Writes nothing; returns the chosen Plan, its `host_*` fields
+and `host_options` filled (the mixes considered, for the table).
+
+The mixes considered (`fxmem.solve.host_state` prices each): all the state on the host (planned first: where
+it does not fit, nothing does, and its refusal names the least with the state on the host); that plan's
+activations with the least state on the host that still fits them; the keep-all step (nothing recomputed or
+offloaded) with the least state on the host that fits it; and all the state on the device. The one of least
+predicted step time (its exposed copies and host update counted) is chosen, ties to less state on the host.
+Mixes between the last two that recompute part of the activations are not searched.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from fxmem.errors import InfeasibleBudgetError
+from fxmem.planner.plan import Plan
+from fxmem.planner.resident import LABEL
+from fxmem.solve.host_state import HostStateCosts
+
+ALL_HOST, FITTED, KEEP_ALL, ALL_DEVICE = ("all on the host", "the plan's activations, least state on the host",
+                                          "keep-all, least state on the host", "all on the device")
+
+
+def host_costs(request) -> HostStateCosts:
+    """The request's parameters priced over its device's host link at its host update rate."""
+    link = request.device.host_link
+    sizes = request.host_state
+    return HostStateCosts(state=tuple(s for _, s, _ in sizes), grads=tuple(v for _, _, v in sizes),
+                          values=tuple(v for _, _, v in sizes), link_bytes_per_s=link.bytes_per_s,
+                          link_latency_s=link.latency_s, update_bytes_per_s=request.host_update_bytes_per_s)
+
+
+def restated(plan: Plan, device_state: int) -> Plan:
+    """`plan` with `device_state` bytes of optimizer state on the device instead of what it was made with."""
+    change = device_state - plan.optimizer_state_bytes
+    parts = {k: v for k, v in plan.breakdown.items() if k != LABEL}
+    return dataclasses.replace(plan, optimizer_state_bytes=device_state,
+                               breakdown={**({LABEL: device_state} if device_state else {}), **parts},
+                               baseline_peak_bytes=plan.baseline_peak_bytes + change,
+                               predicted_peak_bytes=plan.predicted_peak_bytes + change)
+
+
+def with_host_state(plan: Plan, costs: HostStateCosts, count: int, names: tuple[str, ...], backward_s: float,
+                    options: tuple) -> Plan:
+    """`plan` with the first `count` parameters' state on the host: their state off the device, the copies'
+    and the update's exposed time in the step."""
+    plan = restated(plan, costs.device_bytes(count))
+    out, back = costs.copy_seconds(count)
+    update = costs.update_seconds(count)
+    exposed_copies = costs.exposed_seconds(count, backward_s) - update
+    return dataclasses.replace(
+        plan, host_state_bytes=costs.host_bytes(count), host_parameters=names[:count], host_update_s=update,
+        host_copy_s=out + back, predicted_step_s=plan.predicted_step_s + exposed_copies + update,
+        exposed_transfer_s=plan.exposed_transfer_s + exposed_copies, host_options=options,
+        host_link=plan.host_link or "")
+
+
+def plan_with_host_state(request, plan_at: Callable[[int], Plan], backward_s: Callable[[], float],
+                         margin_bytes: int) -> Plan:
+    """The least-time mix of optimizer state on the host and activations' decision that fits the request's
+    budget (see the module's note). `plan_at(device_state_bytes)` plans the graphs for the budget less that
+    state; `backward_s()` is the backward time of the graph it planned last."""
+    costs, budget = host_costs(request), request.budget_bytes
+    names = tuple(name for name, _, _ in request.host_state)
+    hosted = plan_at(0)  # its refusal is the least with every byte of state off the device
+    bw = backward_s()
+    tried: list[tuple[str, Plan, int]] = [(ALL_HOST, hosted, costs.count)]
+    room = budget - margin_bytes - hosted.predicted_peak_bytes
+    fitted = costs.least_count(room)
+    if fitted is not None and fitted < costs.count:
+        tried.append((FITTED, hosted, fitted))
+    keep = costs.least_count(budget - margin_bytes - hosted.baseline_peak_bytes)
+    recomputes = hosted.predicted_step_s > hosted.baseline_step_s or hosted.recompute or hosted.offload
+    if keep is not None and recomputes and keep < costs.count:
+        try:
+            tried.append((KEEP_ALL, plan_at(costs.device_bytes(keep)), keep))
+        except InfeasibleBudgetError:
+            pass
+    refused = None
+    if fitted != 0 and keep != 0:
+        floor = sum(v for k, v in hosted.breakdown.items() if k in ("parameters, buffers and inputs", "gradients"))
+        if budget - costs.total_state > floor:
+            try:
+                tried.append((ALL_DEVICE, plan_at(costs.total_state), 0))
+            except InfeasibleBudgetError as exc:
+                refused = exc.min_budget_bytes
+        else:
+            refused = costs.total_state + floor
+    seconds = [plan.predicted_step_s + costs.exposed_seconds(count, bw) for _, plan, count in tried]
+    best = min(range(len(tried)), key=lambda i: (seconds[i], tried[i][2]))
+    # (mix, state bytes on the device, predicted step s or None where refused, the least budget then, chosen)
+    options = tuple((label, costs.device_bytes(count), s, 0, i == best)
+                    for i, ((label, _, count), s) in enumerate(zip(tried, seconds)))
+    if refused is not None:
+        options += ((ALL_DEVICE, costs.total_state, None, refused, False),)
+    _, plan, count = tried[best]
+    plan = with_host_state(plan, costs, count, names, bw, options)
+    return dataclasses.replace(plan, min_budget_bytes=hosted.min_budget_bytes)

@@ -82,23 +82,24 @@ def plan_with_host_state(request, plan_at: Callable[[int], Plan], backward_s: Ca
             tried.append((KEEP_ALL, plan_at(costs.device_bytes(keep)), keep))
         except InfeasibleBudgetError:
             pass
-    refused = None
+    refused = None  # all on the device, where it does not fit: (the least budget, found or a bound)
     if fitted != 0 and keep != 0:
         floor = sum(v for k, v in hosted.breakdown.items() if k in ("parameters, buffers and inputs", "gradients"))
         if budget - costs.total_state > floor:
             try:
                 tried.append((ALL_DEVICE, plan_at(costs.total_state), 0))
             except InfeasibleBudgetError as exc:
-                refused = exc.min_budget_bytes
-        else:
-            refused = costs.total_state + floor
+                refused = (exc.min_budget_bytes, "found")
+        else:  # the state, parameters and gradients alone exceed the budget: not planned
+            refused = (costs.total_state + floor, "bound")
     seconds = [plan.predicted_step_s + costs.exposed_seconds(count, bw) for _, plan, count in tried]
     best = min(range(len(tried)), key=lambda i: (seconds[i], tried[i][2]))
-    # (mix, state bytes on the device, predicted step s or None where refused, the least budget then, chosen)
-    options = tuple((label, costs.device_bytes(count), s, 0, i == best)
-                    for i, ((label, _, count), s) in enumerate(zip(tried, seconds)))
+    options = tuple({"mix": label, "device_state_bytes": costs.device_bytes(count), "step_s": s, "chosen": i == best,
+                     "peak_bytes": plan.predicted_peak_bytes + costs.device_bytes(count) - plan.optimizer_state_bytes}
+                    for i, ((label, plan, count), s) in enumerate(zip(tried, seconds)))
     if refused is not None:
-        options += ((ALL_DEVICE, costs.total_state, None, refused, False),)
+        options += ({"mix": ALL_DEVICE, "device_state_bytes": costs.total_state, "step_s": None, "chosen": False,
+                     "least_bytes": refused[0], "least": refused[1]},)
     _, plan, count = tried[best]
     plan = with_host_state(plan, costs, count, names, bw, options)
     return dataclasses.replace(plan, min_budget_bytes=hosted.min_budget_bytes)

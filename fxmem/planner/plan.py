@@ -159,7 +159,7 @@ class Plan:
     host_parameters: tuple[str, ...] = ()  # the parameters whose state is there
     host_update_s: float = 0.0  # their update on the host CPU (in predicted_step_s)
     host_copy_s: float = 0.0  # their gradients out and values back over the host link (the exposed part in exposed_transfer_s)
-    host_options: tuple[tuple, ...] = ()  # the mixes considered: (mix, device state bytes, step s or None, least, chosen)
+    host_options: tuple[dict, ...] = ()  # the mixes considered (fxmem.planner.host_state): one dict each
     eager_peak_bytes: int | None = None  # PyTorch eager's step, MemTracker on fake tensors (fxmem.trace.eager_meter)
     capture: str = ""  # how the step was captured: one graph (and by which tracer) or Dynamo's graph k of n
     loss: str = ""  # where the step's loss is: in the plan (loss_fn, the model's own) or outside it
@@ -311,7 +311,7 @@ def _typed(data: dict[str, Any]) -> dict[str, Any]:
     data = dict(data)
     for key in ("recompute", "saved", "offload", "fallback_ops", "host_parameters"):
         data[key] = tuple(data.get(key, ()))
-    data["host_options"] = tuple(tuple(row) for row in data.get("host_options", ()))
+    data["host_options"] = tuple(dict(row) for row in data.get("host_options", ()))
     data["nodes"] = tuple(NodeRow(**row) for row in data.get("nodes", ()))
     data["devices"] = tuple(DeviceRow(**{**row, "modules": tuple(row["modules"])}) for row in data.get("devices", ()))
     pool = data.get("pool")

@@ -212,9 +212,14 @@ def _host_rows(plan: Any) -> list[list[str]]:
                                           f"{plan.host_copy_s * 1e3:,.1f} ms over {plan.host_link or 'the host link'} "
                                           "(in the step time: the update, the values' copy back, the gradients' copies "
                                           "beyond backward)"])
-    for label, device_state, seconds, least, chosen in plan.host_options:
-        figure = f"{seconds * 1e3:,.2f} ms" if seconds is not None else f"refused (least {fmt_bytes(least)})"
-        rows.append([f"  {'* ' if chosen else ''}{label}", f"state on the device {fmt_bytes(device_state)}: {figure}"])
+    for row in plan.host_options:
+        if row["step_s"] is None:
+            least = "least" if row.get("least") == "found" else "its state, parameters and gradients alone need"
+            figure = f"refused ({least} {fmt_bytes(row['least_bytes'])})"
+        else:
+            figure = f"peak {fmt_bytes(row['peak_bytes'])}, step {row['step_s'] * 1e3:,.2f} ms"
+        rows.append([f"  {'* ' if row['chosen'] else ''}{row['mix']}",
+                     f"state on the device {fmt_bytes(row['device_state_bytes'])}: {figure}"])
     return rows
 
 

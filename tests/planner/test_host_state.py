@@ -65,9 +65,9 @@ def test_a_budget_only_host_state_meets(between, leasts):
     assert plan.optimizer_state_bytes + plan.host_state_bytes == state
     assert plan.breakdown.get("optimizer state", 0) == plan.optimizer_state_bytes
     assert plan.host_update_s > 0 and plan.predicted_step_s >= plan.host_update_s
-    refused = [row for row in plan.host_options if row[2] is None]
-    assert refused and refused[0][3] == leasts[0]  # all on the device: refused, its least named
-    assert sum(row[4] for row in plan.host_options) == 1
+    refused = [row for row in plan.host_options if row["step_s"] is None]
+    assert refused and refused[0]["least_bytes"] == leasts[0]  # all on the device: refused, its least named
+    assert sum(row["chosen"] for row in plan.host_options) == 1
     assert "on the host" in plan.table()
     assert Plan.from_json(plan.to_json()) == plan
 

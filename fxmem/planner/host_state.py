@@ -74,12 +74,12 @@ def plan_with_host_state(request, plan_at: Callable[[int], Plan], backward_s: Ca
     room = budget - margin_bytes - hosted.predicted_peak_bytes
     fitted = costs.least_count(room)
     if fitted is not None and fitted < costs.count:
-        tried.append((FITTED, hosted, fitted))
+        tried.append((ALL_DEVICE if fitted == 0 else FITTED, hosted, fitted))
     keep = costs.least_count(budget - margin_bytes - hosted.baseline_peak_bytes)
     recomputes = hosted.predicted_step_s > hosted.baseline_step_s or hosted.recompute or hosted.offload
     if keep is not None and recomputes and keep < costs.count:
         try:
-            tried.append((KEEP_ALL, plan_at(costs.device_bytes(keep)), keep))
+            tried.append((ALL_DEVICE if keep == 0 else KEEP_ALL, plan_at(costs.device_bytes(keep)), keep))
         except InfeasibleBudgetError:
             pass
     refused = None  # all on the device, where it does not fit: (the least budget, found or a bound)

@@ -158,7 +158,7 @@ class Plan:
     host_state_bytes: int = 0  # optimizer state in host memory (fxmem.planner.host_state), not in the peaks
     host_parameters: tuple[str, ...] = ()  # the parameters whose state is there
     host_update_s: float = 0.0  # their update on the host CPU (in predicted_step_s)
-    host_copy_s: float = 0.0  # their gradients out and values back over the host link (the exposed part in exposed_transfer_s)
+    host_copy_s: float = 0.0  # their gradients out, values back over the host link (exposed: in exposed_transfer_s)
     host_options: tuple[dict, ...] = ()  # the mixes considered (fxmem.planner.host_state): one dict each
     eager_peak_bytes: int | None = None  # PyTorch eager's step, MemTracker on fake tensors (fxmem.trace.eager_meter)
     capture: str = ""  # how the step was captured: one graph (and by which tracer) or Dynamo's graph k of n

@@ -2,7 +2,8 @@
 
 Reads the environment (`FXMEM_HOST_UPDATE_GBPS`: a rate in GB/s to use instead of measuring) and this
 machine's CPU: times torch.optim.AdamW's step (fused or not, as the optimizer will run) on a 16 MiB fp32
-parameter (fastest of a few, once per process), rounded to two significant digits so plans made in two processes agree. Writes nothing.
+parameter (fastest of a few, once per process), rounded to two significant digits so plans made in two
+processes agree. Writes nothing.
 The rate is this machine's: a plan made here for a GPU server assumes that server's CPU updates as fast.
 """
 from __future__ import annotations

@@ -127,6 +127,8 @@ def test_optimize_trains_as_eager_adamw(between):
         x = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(step))
         for module, optimizer, scheduler in ((reference, ref_opt, ref_sched), (optimized, opt, sched)):
             module(input_ids=x, labels=x).loss.backward()
+            if optimizer is opt:  # backward's hooks copied every host parameter's gradient out
+                assert set(opt._copied) == set(opt.host_parameters)
             torch.nn.utils.clip_grad_norm_(module.parameters(), 0.5)
             optimizer.step()
             optimizer.zero_grad()

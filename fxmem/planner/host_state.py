@@ -11,7 +11,8 @@ it does not fit, nothing does, and its refusal names the least with the state on
 activations with the least state on the host that still fits them; the keep-all step (nothing recomputed or
 offloaded) with the least state on the host that fits it; and all the state on the device. The one of least
 predicted step time (its exposed copies and host update counted) is chosen, ties to less state on the host.
-Mixes between the last two that recompute part of the activations are not searched.
+Mixes between the last two that recompute part of the activations are not searched. The gradients' copies
+are counted whole (`OVERLAP_S`).
 """
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ from fxmem.planner.plan import Plan
 from fxmem.planner.resident import LABEL
 from fxmem.solve.host_state import HostStateCosts
 
+# The planned backward is one graph that returns every gradient at its end, so the gradients' hooks fire, and
+# their copies start, once backward is over: no backward time hides them. (Copies issued inside the backward
+# graph as each gradient is made would overlap it; fxmem.solve.host_state prices that with `overlap_s`.)
+OVERLAP_S = 0.0
 ALL_HOST, FITTED, KEEP_ALL, ALL_DEVICE = ("all on the host", "the plan's activations, least state on the host",
                                           "keep-all, least state on the host", "all on the device")
 
@@ -46,14 +51,13 @@ def restated(plan: Plan, device_state: int) -> Plan:
                                predicted_peak_bytes=plan.predicted_peak_bytes + change)
 
 
-def with_host_state(plan: Plan, costs: HostStateCosts, count: int, names: tuple[str, ...], backward_s: float,
-                    options: tuple) -> Plan:
+def with_host_state(plan: Plan, costs: HostStateCosts, count: int, names: tuple[str, ...], options: tuple) -> Plan:
     """`plan` with the first `count` parameters' state on the host: their state off the device, the copies'
     and the update's exposed time in the step."""
     plan = restated(plan, costs.device_bytes(count))
     out, back = costs.copy_seconds(count)
     update = costs.update_seconds(count)
-    exposed_copies = costs.exposed_seconds(count, backward_s) - update
+    exposed_copies = costs.exposed_seconds(count, OVERLAP_S) - update
     return dataclasses.replace(
         plan, host_state_bytes=costs.host_bytes(count), host_parameters=names[:count], host_update_s=update,
         host_copy_s=out + back, predicted_step_s=plan.predicted_step_s + exposed_copies + update,
@@ -61,15 +65,13 @@ def with_host_state(plan: Plan, costs: HostStateCosts, count: int, names: tuple[
         host_link=plan.host_link or "")
 
 
-def plan_with_host_state(request, plan_at: Callable[[int], Plan], backward_s: Callable[[], float],
-                         margin_bytes: int) -> Plan:
+def plan_with_host_state(request, plan_at: Callable[[int], Plan], margin_bytes: int) -> Plan:
     """The least-time mix of optimizer state on the host and activations' decision that fits the request's
     budget (see the module's note). `plan_at(device_state_bytes)` plans the graphs for the budget less that
-    state; `backward_s()` is the backward time of the graph it planned last."""
+    state."""
     costs, budget = host_costs(request), request.budget_bytes
     names = tuple(name for name, _, _ in request.host_state)
     hosted = plan_at(0)  # its refusal is the least with every byte of state off the device
-    bw = backward_s()
     tried: list[tuple[str, Plan, int]] = [(ALL_HOST, hosted, costs.count)]
     room = budget - margin_bytes - hosted.predicted_peak_bytes
     fitted = costs.least_count(room)
@@ -92,7 +94,7 @@ def plan_with_host_state(request, plan_at: Callable[[int], Plan], backward_s: Ca
                 refused = (exc.min_budget_bytes, "found")
         else:  # the state, parameters and gradients alone exceed the budget: not planned
             refused = (costs.total_state + floor, "bound")
-    seconds = [plan.predicted_step_s + costs.exposed_seconds(count, bw) for _, plan, count in tried]
+    seconds = [plan.predicted_step_s + costs.exposed_seconds(count, OVERLAP_S) for _, plan, count in tried]
     best = min(range(len(tried)), key=lambda i: (seconds[i], tried[i][2]))
     options = tuple({"mix": label, "device_state_bytes": costs.device_bytes(count), "step_s": s, "chosen": i == best,
                      "peak_bytes": plan.predicted_peak_bytes + costs.device_bytes(count) - plan.optimizer_state_bytes}
@@ -101,5 +103,5 @@ def plan_with_host_state(request, plan_at: Callable[[int], Plan], backward_s: Ca
         options += ({"mix": ALL_DEVICE, "device_state_bytes": costs.total_state, "step_s": None, "chosen": False,
                      "least_bytes": refused[0], "least": refused[1]},)
     _, plan, count = tried[best]
-    plan = with_host_state(plan, costs, count, names, bw, options)
+    plan = with_host_state(plan, costs, count, names, options)
     return dataclasses.replace(plan, min_budget_bytes=hosted.min_budget_bytes)

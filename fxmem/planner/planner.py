@@ -121,7 +121,6 @@ class Planner:
         self.plan: Plan | None = None
         self._seconds: dict[str, float] = {}  # per joint node, for timing offload copies
         self._views: frozenset[str] = frozenset()
-        self._backward_s = 0.0  # the backward time of the graph planned last (host copies overlap it)
         self.allocator = EXACT  # what the target device's allocator holds beside the tensors
         self.margin = margin_for(request.device.name)  # how far below the budget plans aim (fxmem.planner.margin)
 
@@ -221,7 +220,7 @@ class Planner:
         request = self.request
         if request.offload and request.host_state and request.budget_bytes is not None and request.policy is None:
             return plan_with_host_state(request, lambda state: self._resident_plan(joint, fingerprint, state),
-                                        lambda: self._backward_s, self.margin.bytes_for(request.budget_bytes))
+                                        self.margin.bytes_for(request.budget_bytes))
         return self._resident_plan(joint, fingerprint, request.resident_bytes)
 
     def _resident_plan(self, joint: torch.fx.GraphModule, fingerprint: str, state_bytes: int) -> Plan:
@@ -303,7 +302,6 @@ class Planner:
         recomputed = _recomputed(chosen, split, self._views)
         offloaded = [lowered.nodes[i].name for i in sorted(chosen.offloaded)]
         exposed_s = offload_cost(lowered.problem, chosen.offloaded) / 1e9
-        self._backward_s = sum(costs[n.name].seconds for n in split.backward if n.name in costs.nodes)
         fixed_s = request.device.fixed_seconds(trained_parameters(joint, self.num_fwd_outputs))
         return Plan(
             budget_bytes=int(budget) if budget is not None else chosen.timeline.peak, policy=described,

@@ -3,10 +3,11 @@
 Reads per trainable parameter, in the order backward produces their gradients, the bytes of its optimizer
 state, of its gradient and of its values, and the host link's and the host CPU's rates; writes nothing.
 A choice is a count: the state of the first `count` parameters in that order lives on the host (those
-whose gradients are ready first, so their copies overlap most of backward). Its time:
+whose gradients are ready first, so their copies could overlap most of backward). Its time:
 
-- each gradient copied to the host over the link, overlapped with backward: exposed only where the copies
-  take longer than backward itself;
+- each gradient copied to the host over the link, overlapped with whatever backward work remains after the
+  gradient is ready (`overlap_s`: 0 where backward hands every gradient over at its end, as a planned
+  backward graph does): exposed where the copies take longer;
 - the update on the host CPU, and the new values copied back before the next forward: exposed whole
   (the device waits for them, as torchao's CPUOffloadOptimizer and ZeRO-Offload without overlap do).
 """
@@ -59,10 +60,10 @@ class HostStateCosts:
     def update_seconds(self, count: int) -> float:
         return sum(self.values[:count]) / self.update_bytes_per_s
 
-    def exposed_seconds(self, count: int, backward_s: float) -> float:
-        """What the step waits for: gradient copies beyond backward's time, the host update, the copy back."""
+    def exposed_seconds(self, count: int, overlap_s: float) -> float:
+        """What the step waits for: gradient copies beyond `overlap_s` of backward, the host update, the copy back."""
         out, back = self.copy_seconds(count)
-        return max(0.0, out - backward_s) + self.update_seconds(count) + back
+        return max(0.0, out - overlap_s) + self.update_seconds(count) + back
 
     def least_count(self, device_room: int) -> int | None:
         """The fewest parameters whose state on the host leaves at most `device_room` bytes of state on the

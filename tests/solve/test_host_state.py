@@ -32,8 +32,8 @@ def test_copies_overlap_backward_update_and_copy_back_do_not():
     out, back = c.copy_seconds(2)
     assert (out, back) == (12 / 4 + 1.0, 12 / 4 + 1.0)
     assert c.update_seconds(2) == 12 / 2
-    assert c.exposed_seconds(2, backward_s=100.0) == back + c.update_seconds(2)
-    assert c.exposed_seconds(2, backward_s=1.0) == out - 1.0 + back + c.update_seconds(2)
+    assert c.exposed_seconds(2, overlap_s=100.0) == back + c.update_seconds(2)
+    assert c.exposed_seconds(2, overlap_s=1.0) == out - 1.0 + back + c.update_seconds(2)
     seconds = [c.exposed_seconds(k, 1.0) for k in range(4)]
     assert seconds == sorted(seconds) and seconds[0] == 0.0
 

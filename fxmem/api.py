@@ -322,7 +322,10 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
                             optimizer=optimizer, policy=policy, inner=inner, cache=cache)
 
     measure = plan is None and (policy is None or policy.name == "speed")  # eager's peak is compared with the budget
-    hosted = host_optimizer(optimizer, offload)
+    if plan is not None and plan.host_parameters and not supports(optimizer or ""):
+        raise ValueError(f"plan= keeps the optimizer state of {len(plan.host_parameters)} parameters on the host: pass "
+                         f"optimizer= (one of {', '.join(SUPPORTED)}), and step the module's fxmem_optimizer")
+    hosted = host_optimizer(optimizer, offload or bool(plan is not None and plan.host_parameters))
     if hosted is not None:
         optimizer = hosted
     return presented(OptimizedModule(model, request_for, (model_loss, keep_outputs is not False, measure),

@@ -137,3 +137,19 @@ def test_optimize_trains_as_eager_adamw(between):
     assert len(opt.host_parameters) == len(optimized.plan.host_parameters)
     for (name, a), b in zip(reference.named_parameters(), trained.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_a_saved_plan_places_the_state_where_it_was_planned(between, tmp_path):
+    _, plan = between
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    trained = model()
+    with pytest.raises(ValueError, match="pass optimizer="):
+        fxmem.optimize(trained, plan=fxmem.Plan.load(path))
+    optimized = fxmem.optimize(trained, plan=fxmem.Plan.load(path),
+                               optimizer=torch.optim.AdamW(trained.parameters(), lr=1e-2))
+    optimized(input_ids=X, labels=X).loss.backward()
+    opt = optimized.fxmem_optimizer
+    named = dict(trained.named_parameters())
+    assert set(opt.host_parameters) == {named[name] for name in plan.host_parameters}
+    opt.step()

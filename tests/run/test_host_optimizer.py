@@ -150,3 +150,16 @@ def test_supported_optimizers_named():
     p.grad = torch.ones(2)
     sgd.step()
     assert torch.allclose(p.detach(), torch.full((2,), 0.9))
+
+
+def test_bf16_parameters_keep_bf16_state_as_torch_does():
+    torch.manual_seed(0)
+    reference = llama().to(torch.bfloat16)
+    model = copy.deepcopy(reference)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    opt = HostOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    opt.place(list(model.parameters()))
+    train(reference, ref_opt)
+    train(model, opt)
+    assert_same(reference, model)
+    assert all(opt.state[p]["exp_avg"].dtype == torch.bfloat16 for p in opt.host_parameters)

@@ -27,7 +27,7 @@ from fxmem.run.inductor.step import check_inner, default_inner, replays_random
 from fxmem.trace.step import planned_step
 from fxmem.trace.meta_device import planned_on, refuse_meta_model
 from fxmem.price.host_update import host_update_bytes_per_s
-from fxmem.price.optimizer_state import model_state_bytes, per_parameter
+from fxmem.price.optimizer_state import kind_of, model_state_bytes, per_parameter
 from fxmem.run.host_optimizer import SUPPORTED, HostOptimizer, supports
 from fxmem.dist.pipeline import PipelineRequest, plan_pipeline
 from fxmem.dist.placement import PlacedModule, check_devices
@@ -119,6 +119,9 @@ def make_request(model: torch.nn.Module, args: tuple, kwargs: dict, *, budget: i
     name = getattr(model, "display_name", type(model).__qualname__)
     check_solver(solver)
     host = offload and optimizer is not None and plan is None and budget is not None and supports(optimizer)
+    if offload and optimizer is not None and not isinstance(optimizer, (int, float)) and not supports(optimizer):
+        log.warning("fxmem: %s's state stays on the device (host state: %s)", kind_of(optimizer)
+                    if not isinstance(optimizer, str) else optimizer, ", ".join(SUPPORTED))
     return PlanRequest(budget_bytes=plan.budget_bytes if plan is not None else budget, plan=plan, device=device,
                        solver=solver, time_limit_s=time_limit_s, model=name,
                        signature=signature_of(model, args, kwargs), offload=bool(offload), pool=pool,
@@ -341,8 +344,6 @@ def host_optimizer(optimizer: Any, offload: bool) -> HostOptimizer | None:
         return None
     if isinstance(optimizer, HostOptimizer):
         return optimizer
-    if not supports(optimizer):
-        log.warning("fxmem: %s's state stays on the device (host state: %s)", type(optimizer).__name__,
-                    ", ".join(SUPPORTED))
+    if not supports(optimizer):  # its state stays on the device (make_request says so)
         return None
     return HostOptimizer(optimizer)

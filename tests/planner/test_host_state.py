@@ -153,3 +153,15 @@ def test_a_saved_plan_places_the_state_where_it_was_planned(between, tmp_path):
     named = dict(trained.named_parameters())
     assert set(opt.host_parameters) == {named[name] for name in plan.host_parameters}
     opt.step()
+
+
+def test_another_optimizer_is_planned_on_the_device_with_one_line(caplog):
+    from fxmem import models
+
+    net, inputs = models.from_name("mlp-tiny"), models.example_inputs("mlp-tiny", 16)
+    with caplog.at_level("WARNING", logger="fxmem"):
+        plan = fxmem.plan(net, inputs, 1.0, optimizer="sgd-momentum", offload=True)
+    said = [r.getMessage() for r in caplog.records if "stays on the device" in r.getMessage()]
+    assert len(said) == 1 and "sgd-momentum" in said[0] and "adamw" in said[0]
+    parameters = sum(p.numel() * p.element_size() for p in net.parameters())
+    assert plan.optimizer_state_bytes == parameters and plan.host_state_bytes == 0 and not plan.host_options

@@ -9,9 +9,11 @@ and `host_options` filled (the mixes considered, for the table).
 The mixes considered (`fxmem.solve.host_state` prices each): all the state on the host (planned first: where
 it does not fit, nothing does, and its refusal names the least with the state on the host); that plan's
 activations with the least state on the host that still fits them; the keep-all step (nothing recomputed or
-offloaded) with the least state on the host that fits it; and all the state on the device. The one of least
+offloaded) with the least state on the host that fits it; all the state on the device; and, where that does
+not fit, the least state on the host that the graphs fit beside at their least budget (recomputing what
+they must; that least found by one more refused plan where not known). The one of least
 predicted step time (its exposed copies and host update counted) is chosen, ties to less state on the host.
-Mixes between the last two that recompute part of the activations are not searched. The gradients' copies
+Mixes between these, recomputing part of what the last one recomputes, are not searched. The gradients' copies
 are counted whole (`OVERLAP_S`).
 """
 from __future__ import annotations
@@ -30,6 +32,7 @@ from fxmem.solve.host_state import HostStateCosts
 OVERLAP_S = 0.0
 ALL_HOST, FITTED, KEEP_ALL, ALL_DEVICE = ("all on the host", "the plan's activations, least state on the host",
                                           "keep-all, least state on the host", "all on the device")
+MOST_DEVICE = "least state on the host, recomputing what that needs"
 
 
 def host_costs(request) -> HostStateCosts:
@@ -85,8 +88,8 @@ def plan_with_host_state(request, plan_at: Callable[[int], Plan], margin_bytes: 
         except InfeasibleBudgetError:
             pass
     refused = None  # all on the device, where it does not fit: (the least budget, found or a bound)
+    floor = sum(v for k, v in hosted.breakdown.items() if k in ("parameters, buffers and inputs", "gradients"))
     if fitted != 0 and keep != 0:
-        floor = sum(v for k, v in hosted.breakdown.items() if k in ("parameters, buffers and inputs", "gradients"))
         if budget - costs.total_state > floor:
             try:
                 tried.append((ALL_DEVICE, plan_at(costs.total_state), 0))
@@ -94,6 +97,13 @@ def plan_with_host_state(request, plan_at: Callable[[int], Plan], margin_bytes: 
                 refused = (exc.min_budget_bytes, "found")
         else:  # the state, parameters and gradients alone exceed the budget: not planned
             refused = (costs.total_state + floor, "bound")
+    if refused is not None:
+        most = _most_on_device(costs, plan_at, budget, floor, refused)
+        if most is not None and all(most < count for _, _, count in tried):
+            try:
+                tried.append((MOST_DEVICE, plan_at(costs.device_bytes(most)), most))
+            except InfeasibleBudgetError:
+                pass
     seconds = [plan.predicted_step_s + costs.exposed_seconds(count, OVERLAP_S) for _, plan, count in tried]
     best = min(range(len(tried)), key=lambda i: (seconds[i], tried[i][2]))
     options = tuple({"mix": label, "device_state_bytes": costs.device_bytes(count), "step_s": s, "chosen": i == best,
@@ -105,3 +115,23 @@ def plan_with_host_state(request, plan_at: Callable[[int], Plan], margin_bytes: 
     _, plan, count = tried[best]
     plan = with_host_state(plan, costs, count, names, options)
     return dataclasses.replace(plan, min_budget_bytes=hosted.min_budget_bytes)
+
+
+def _most_on_device(costs: HostStateCosts, plan_at: Callable[[int], Plan], budget: int, floor: int,
+                    refused: tuple[int, str]) -> int | None:
+    """The fewest parameters whose state on the host lets the graphs fit at their least budget (recomputing and
+    offloading all they can); None where that least is unknown. The least comes from the refusal of all the
+    state on the device, else from planning the graphs at the bytes of parameters and gradients alone, which is
+    refused naming it."""
+    if refused[1] == "found":
+        graphs_least = refused[0] - costs.total_state
+    elif budget > floor:
+        probe = budget - floor
+        try:
+            plan_at(probe)
+            return None
+        except InfeasibleBudgetError as exc:
+            graphs_least = exc.min_budget_bytes - probe
+    else:
+        return None
+    return costs.least_count(budget - graphs_least)

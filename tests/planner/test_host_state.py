@@ -68,6 +68,11 @@ def test_a_budget_only_host_state_meets(between, leasts):
     refused = [row for row in plan.host_options if row["step_s"] is None]
     assert refused and refused[0]["least_bytes"] == leasts[0]  # all on the device: refused, its least named
     assert sum(row["chosen"] for row in plan.host_options) == 1
+    fitting = [row for row in plan.host_options if row["step_s"] is not None]
+    chosen = next(row for row in fitting if row["chosen"])  # the fastest mix that fits, as the plan states it
+    assert chosen["step_s"] == min(row["step_s"] for row in fitting) == pytest.approx(plan.predicted_step_s)
+    assert chosen["device_state_bytes"] == plan.optimizer_state_bytes
+    assert all(row["peak_bytes"] <= budget * 2**30 for row in fitting)
     assert "on the host" in plan.table()
     assert Plan.from_json(plan.to_json()) == plan
 

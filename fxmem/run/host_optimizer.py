@@ -51,6 +51,7 @@ class HostOptimizer(torch.optim.Optimizer):
         self._host: dict[torch.nn.Parameter, torch.Tensor] = {}  # parameter -> its host copy
         self._grads: dict[torch.nn.Parameter, torch.Tensor] = {}  # parameter -> its gradient's host buffer
         self._copied: dict[torch.nn.Parameter, int] = {}  # copied this step: the gradient's version then
+        self._values: dict[torch.nn.Parameter, int] = {}  # the parameter's version when its host copy was equal
         self._hooks: list[Any] = []
         self._stream = None
         self._place(())
@@ -110,7 +111,14 @@ class HostOptimizer(torch.optim.Optimizer):
 
     def _host_copy(self, p: torch.nn.Parameter) -> torch.Tensor:
         copy = p.detach().to("cpu", copy=True)
+        self._values[p] = p._version
         return copy.pin_memory() if p.device.type == "cuda" else copy
+
+    def _fresh_values(self, p: torch.nn.Parameter) -> None:
+        """The host copy of `p` made again where `p` changed outside `step` (a checkpoint loaded into the model)."""
+        if self._values.get(p) != p._version:
+            self._host[p].copy_(p.detach())
+            self._values[p] = p._version
 
     # -- gradients ---------------------------------------------------------------------------------------
     def _grad_ready(self, p: torch.nn.Parameter) -> None:
@@ -185,11 +193,13 @@ class HostOptimizer(torch.optim.Optimizer):
             for p, copy in self._host.items():
                 copy.grad = self._host_grad(p)
                 if copy.grad is not None:
+                    self._fresh_values(p)
                     stepped.append(p)
             self._sync()
             self._host_opt.step()
             for p in stepped:
                 p.detach().copy_(self._host[p], non_blocking=True)
+                self._values[p] = p._version
                 self.state[p] = self._host_opt.state[self._host[p]]
                 self._host[p].grad = None
         if self._device_opt is not None:

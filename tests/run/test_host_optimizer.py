@@ -163,3 +163,17 @@ def test_bf16_parameters_keep_bf16_state_as_torch_does():
     train(model, opt)
     assert_same(reference, model)
     assert all(opt.state[p]["exp_avg"].dtype == torch.bfloat16 for p in opt.host_parameters)
+
+
+def test_parameters_changed_outside_step_are_read_again():
+    """A checkpoint loaded into the model between steps: the host copies are made again from it."""
+    reference, ref_opt, model, opt = pair(gpt2)
+    train(reference, ref_opt, steps=1)
+    train(model, opt, steps=1)
+    torch.manual_seed(5)
+    loaded = gpt2().state_dict()
+    reference.load_state_dict(loaded)
+    model.load_state_dict(loaded)
+    train(reference, ref_opt, steps=2, seed=4)
+    train(model, opt, steps=2, seed=4)
+    assert_same(reference, model)

@@ -182,7 +182,8 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
     GPU); otherwise, and for kernels it cannot time, the target's roofline prices them.
     `optimizer` (an optimizer, a name such as "adamw", or state bytes per parameter byte): its state is
     on the device for the whole step, so it is counted in the budget (so `budget_gb` can be the
-    GPU's memory); with `num_stages`, per stage.
+    GPU's memory); with `num_stages`, per stage. With `offload=True` and Adam/AdamW, the planner decides which
+    parameters' state lives on the host instead (`fxmem.planner.host_state`, docs/hostmem.md).
     `eager_meter`: also measure PyTorch eager's peak for the step (MemTracker on fake tensors, no
     real compute; `Plan.eager_peak_bytes`, a row of the table).
     `loss_fn`: plan the step `loss_fn(model(*example_inputs), example_target)` as a whole (see
@@ -269,7 +270,9 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
     `pool=True` those whose pooling does not raise the graph's peak, `pool="all"` every one; the
     plans in `.plans` then carry the pool's stats. `calibrate`: see `plan`. With `loss_fn`, the module
     is called as `loss = opt(*inputs, target=y)`, which is `loss_fn(model(*inputs), y)` planned as one
-    step (with `keep_outputs`, `(loss, outputs)`). `optimizer`: its state counts in the budget (see `plan`).
+    step (with `keep_outputs`, `(loss, outputs)`). `optimizer`: its state counts in the budget (see `plan`); with
+    `offload=True` (or a `plan` keeping state on the host) and Adam/AdamW, step `module.fxmem_optimizer` instead
+    (`fxmem.run.host_optimizer.HostOptimizer`: the host part's update runs where its state is).
     Without `loss_fn`, a model called with `labels=` (an output with a scalar `loss`) trains as
     `model(...).loss.backward()` does, planned from its loss, other outputs returned detached
     (`keep_outputs=False`: the loss alone); `model_loss=False` keeps a gradient on every output (see `plan`). The optimized module's `.plan` is

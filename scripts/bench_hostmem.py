@@ -96,7 +96,7 @@ def main() -> None:
               f"{made.optimizer_state_bytes / GIB:.2f} GiB on the device; peak {made.predicted_peak_bytes / GIB:.2f} "
               f"GiB, step {made.predicted_step_s:.3f} s (host update {made.host_update_s:.3f} s, exposed transfers "
               f"{made.exposed_transfer_s:.3f} s, recompute {len(made.recompute)} ops, {len(made.offload)} offloaded)")
-        print(f"  {'mix':48s} {'state on device':>16s} {'peak':>10s} {'step':>10s}")
+        print(f"  {'mix':54s} {'state on device':>16s} {'peak':>10s} {'step':>10s}")
         for row in made.host_options:
             if row["step_s"] is None:
                 what = "least" if row.get("least") == "found" else "needs at least"
@@ -104,7 +104,7 @@ def main() -> None:
             else:
                 figures = f"{row['peak_bytes'] / GIB:8.2f} G {row['step_s']:9.3f}s"
             mark = "* " if row["chosen"] else "  "
-            print(f"{mark}{row['mix']:48s} {row['device_state_bytes'] / GIB:14.2f} G {figures}")
+            print(f"{mark}{row['mix']:54s} {row['device_state_bytes'] / GIB:14.2f} G {figures}")
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ class HostOptimizer(torch.optim.Optimizer):
         self._hooks: list[Any] = []
         self._stream = None
         self._place(())
+        optimizer.register_step_pre_hook(_stepped_instead)  # its state would grow beside ours, on the device
 
     # -- placement ---------------------------------------------------------------------------------------
     @property
@@ -226,6 +227,12 @@ class HostOptimizer(torch.optim.Optimizer):
             if i in host_ids and i in saved:
                 self.state[p] = {k: _moved(v, torch.device("cpu"), like=p) for k, v in saved[i].items()}
         self._place(list(self._host))
+
+
+def _stepped_instead(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    raise RuntimeError(f"this {type(optimizer).__name__} is wrapped by fxmem's HostOptimizer (fxmem.optimize with "
+                       "offload=True: the module's fxmem_optimizer); step that one, which keeps part of the state on "
+                       "the host")
 
 
 def _moved(value: Any, where: torch.device, like: torch.Tensor | None = None) -> Any:

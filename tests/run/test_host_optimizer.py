@@ -177,3 +177,12 @@ def test_parameters_changed_outside_step_are_read_again():
     train(reference, ref_opt, steps=2, seed=4)
     train(model, opt, steps=2, seed=4)
     assert_same(reference, model)
+
+
+def test_the_wrapped_optimizer_refuses_to_step():
+    p = torch.nn.Parameter(torch.ones(2))
+    wrapped = torch.optim.AdamW([p], lr=0.1)
+    HostOptimizer(wrapped)
+    p.grad = torch.ones(2)
+    with pytest.raises(RuntimeError, match="step that one"):
+        wrapped.step()

@@ -8,6 +8,7 @@ a progress line on stderr while planning on a terminal (`fxmem.progress.planning
 from __future__ import annotations
 
 import contextlib
+import logging
 
 from dataclasses import replace
 from typing import Any, Sequence
@@ -25,7 +26,9 @@ from fxmem.error_boundary import public
 from fxmem.run.inductor.step import check_inner, default_inner, replays_random
 from fxmem.trace.step import planned_step
 from fxmem.trace.meta_device import planned_on, refuse_meta_model
-from fxmem.price.optimizer_state import model_state_bytes
+from fxmem.price.host_update import host_update_bytes_per_s
+from fxmem.price.optimizer_state import kind_of, model_state_bytes, per_parameter
+from fxmem.run.host_optimizer import SUPPORTED, HostOptimizer, supports
 from fxmem.dist.pipeline import PipelineRequest, plan_pipeline
 from fxmem.dist.placement import PlacedModule, check_devices
 from fxmem.planner.options import Loss, Pipeline, Solver, spelled_out
@@ -39,6 +42,7 @@ from fxmem.trace.wrapper import presented
 from fxmem.run.step_timer import measured_overheads
 
 POOL_MODES = (False, True, "all")
+log = logging.getLogger("fxmem")
 
 
 def check_pool(pool: Any) -> bool | str:
@@ -114,12 +118,23 @@ def make_request(model: torch.nn.Module, args: tuple, kwargs: dict, *, budget: i
         device = measured_overheads(device, where)
     name = getattr(model, "display_name", type(model).__qualname__)
     check_solver(solver)
+    host = offload and optimizer is not None and plan is None and budget is not None and supports(optimizer)
+    if offload and optimizer is not None and not isinstance(optimizer, (int, float)) and not supports(optimizer):
+        log.warning("fxmem: %s's state stays on the device (host state: %s)", kind_of(optimizer)
+                    if not isinstance(optimizer, str) else optimizer, ", ".join(SUPPORTED))
     return PlanRequest(budget_bytes=plan.budget_bytes if plan is not None else budget, plan=plan, device=device,
                        solver=solver, time_limit_s=time_limit_s, model=name,
                        signature=signature_of(model, args, kwargs), offload=bool(offload), pool=pool,
                        calibrate=bool(calibrate), resident_bytes=model_state_bytes(optimizer, model), chunk_loss=True,
                        policy=policy, inner=inner, replay_random=replays_random(inner),
-                       replay_ops="torch" if inner == "inductor" else "functions", cache=bool(cache))
+                       replay_ops="torch" if inner == "inductor" else "functions", cache=bool(cache),
+                       host_state=per_parameter(optimizer, model) if host else (),
+                       host_update_bytes_per_s=host_update_bytes_per_s(_fused(optimizer)) if host else 0.0)
+
+
+def _fused(optimizer: Any) -> bool:
+    """Whether the optimizer runs torch's fused kernel (its host update then does too)."""
+    return bool(getattr(optimizer, "param_groups", [{}])[0].get("fused"))
 
 
 # the keywords `plan` and `optimize` take besides their own, with their defaults: a group's spellings, and
@@ -167,7 +182,8 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: 
     GPU); otherwise, and for kernels it cannot time, the target's roofline prices them.
     `optimizer` (an optimizer, a name such as "adamw", or state bytes per parameter byte): its state is
     on the device for the whole step, so it is counted in the budget (so `budget_gb` can be the
-    GPU's memory); with `num_stages`, per stage.
+    GPU's memory); with `num_stages`, per stage. With `offload=True` and Adam/AdamW, the planner decides which
+    parameters' state lives on the host instead (`fxmem.planner.host_state`, docs/hostmem.md).
     `eager_meter`: also measure PyTorch eager's peak for the step (MemTracker on fake tensors, no
     real compute; `Plan.eager_peak_bytes`, a row of the table).
     `loss_fn`: plan the step `loss_fn(model(*example_inputs), example_target)` as a whole (see
@@ -254,7 +270,9 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
     `pool=True` those whose pooling does not raise the graph's peak, `pool="all"` every one; the
     plans in `.plans` then carry the pool's stats. `calibrate`: see `plan`. With `loss_fn`, the module
     is called as `loss = opt(*inputs, target=y)`, which is `loss_fn(model(*inputs), y)` planned as one
-    step (with `keep_outputs`, `(loss, outputs)`). `optimizer`: its state counts in the budget (see `plan`).
+    step (with `keep_outputs`, `(loss, outputs)`). `optimizer`: its state counts in the budget (see `plan`); with
+    `offload=True` (or a `plan` keeping state on the host) and Adam/AdamW, step `module.fxmem_optimizer` instead
+    (`fxmem.run.host_optimizer.HostOptimizer`: the host part's update runs where its state is).
     Without `loss_fn`, a model called with `labels=` (an output with a scalar `loss`) trains as
     `model(...).loss.backward()` does, planned from its loss, other outputs returned detached
     (`keep_outputs=False`: the loss alone); `model_loss=False` keeps a gradient on every output (see `plan`). The optimized module's `.plan` is
@@ -310,4 +328,25 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
                             optimizer=optimizer, policy=policy, inner=inner, cache=cache)
 
     measure = plan is None and (policy is None or policy.name == "speed")  # eager's peak is compared with the budget
-    return presented(OptimizedModule(model, request_for, (model_loss, keep_outputs is not False, measure)))
+    if plan is not None and plan.host_parameters and not supports(optimizer or ""):
+        raise ValueError(f"plan= keeps the optimizer state of {len(plan.host_parameters)} parameters on the host: pass "
+                         f"optimizer= (one of {', '.join(SUPPORTED)}), and step the module's fxmem_optimizer")
+    hosted = host_optimizer(optimizer, offload or bool(plan is not None and plan.host_parameters))
+    if hosted is not None:
+        optimizer = hosted
+    return presented(OptimizedModule(model, request_for, (model_loss, keep_outputs is not False, measure),
+                                     optimizer=hosted))
+
+
+def host_optimizer(optimizer: Any, offload: bool) -> HostOptimizer | None:
+    """With offload, the optimizer the user steps (`OptimizedModule.fxmem_optimizer`): `optimizer`'s training
+    with the state of the parameters the plan names on the host. None without offload or an optimizer; an
+    optimizer whose state cannot live on the host (`fxmem.run.host_optimizer.SUPPORTED`) is planned on the
+    device, with one line saying so."""
+    if not offload or optimizer is None or isinstance(optimizer, (str, int, float)):
+        return None
+    if isinstance(optimizer, HostOptimizer):
+        return optimizer
+    if not supports(optimizer):  # its state stays on the device (make_request says so)
+        return None
+    return HostOptimizer(optimizer)

@@ -85,7 +85,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--meta", action="store_true", help="build the model under torch.device('meta'): no "
                    "weights are made, so a model larger than this machine's memory can be planned (a factory "
                    "that builds on meta needs no flag); the plan applies to the model built with weights")
-    p.add_argument("--offload", action="store_true", help="let the plan offload saved values to host memory")
+    p.add_argument("--offload", action="store_true", help="let the plan offload saved values to host memory, and with "
+                   "--optimizer adam/adamw put optimizer state there (the table says what lives where)")
     p.add_argument("--stages", type=_positive, help="split the model into S pipeline stages")
     p.add_argument("--schedule", help="pipeline schedule, with --stages (e.g. gpipe, 1f1b)")
     p.add_argument("--microbatches", type=_positive, help="pipeline microbatches, with --stages")
@@ -103,7 +104,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", action="store_true", help="with --estimate: also every policy's predicted peak "
                    "and extra step time, beside the plan for --budget-gb when given")
     p.add_argument("--optimizer", choices=("none", *NAMED),
-                   help="optimizer whose state is on the device for the whole step, counted in --budget-gb "
+                   help="optimizer whose state is on the device for the whole step (with --offload, adam/adamw "
+                        "state may go to the host), counted in --budget-gb "
                         "when given (default for a plan: none); --estimate and --world-size count adamw unless "
                         "told otherwise")
     p.add_argument("--max-batch", action="store_true", help="search the largest batch size that fits "

@@ -155,6 +155,11 @@ class Plan:
     optimizer_state_bytes: int = 0  # on the device for the whole step (counted in the peaks and the budget)
     resident_gradient_bytes: int = 0  # gradients existing when the step starts (accumulation), counted so too
     resident_gradients: str = ""  # what they are: "" (every .grad None), "accumulating", zeros (fxmem.price.accumulation)
+    host_state_bytes: int = 0  # optimizer state in host memory (fxmem.planner.host_state), not in the peaks
+    host_parameters: tuple[str, ...] = ()  # the parameters whose state is there
+    host_update_s: float = 0.0  # their update on the host CPU (in predicted_step_s)
+    host_copy_s: float = 0.0  # their gradients out, values back over the host link (exposed: in exposed_transfer_s)
+    host_options: tuple[dict, ...] = ()  # the mixes considered (fxmem.planner.host_state): one dict each
     eager_peak_bytes: int | None = None  # PyTorch eager's step, MemTracker on fake tensors (fxmem.trace.eager_meter)
     capture: str = ""  # how the step was captured: one graph (and by which tracer) or Dynamo's graph k of n
     loss: str = ""  # where the step's loss is: in the plan (loss_fn, the model's own) or outside it
@@ -304,8 +309,9 @@ def _upgrade(data: dict[str, Any]) -> dict[str, Any]:
 def _typed(data: dict[str, Any]) -> dict[str, Any]:
     """JSON values as the Plan's field types: tuples for sequences, rows and sections as dataclasses."""
     data = dict(data)
-    for key in ("recompute", "saved", "offload", "fallback_ops"):
+    for key in ("recompute", "saved", "offload", "fallback_ops", "host_parameters"):
         data[key] = tuple(data.get(key, ()))
+    data["host_options"] = tuple(dict(row) for row in data.get("host_options", ()))
     data["nodes"] = tuple(NodeRow(**row) for row in data.get("nodes", ()))
     data["devices"] = tuple(DeviceRow(**{**row, "modules": tuple(row["modules"])}) for row in data.get("devices", ()))
     pool = data.get("pool")

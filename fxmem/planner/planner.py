@@ -45,14 +45,14 @@ from fxmem.planner.plan_facts import breakdown, graph_device, node_rows, timing,
 from fxmem.planner.policies import Policy, describe, every_block_checkpointed, policy_recompute, policy_within_budget
 from fxmem.solve.problem import (
     eager_decision,
-    enable_offload,
     offload_cost,
     recompute_cost,
     saved_set,
 )
+from fxmem.planner.host_state import plan_with_host_state
 from fxmem.planner.shape_reuse import decision_key, keep_seed, remember, reused, seeded
 from fxmem.planner.resident import refusal_with_resident, resident_parts, with_resident
-from fxmem.price.joint_problem import JointSplit, Lowered, build_problem, split_joint
+from fxmem.price.joint_problem import JointSplit, Lowered, allow_offload, build_problem, split_joint
 from fxmem.solve.recompute import least_peak, solve
 from fxmem.solve.solution import Solution, make_solution
 from fxmem.stage_times import stage
@@ -90,6 +90,10 @@ class PlanRequest:
     resident_bytes: int = 0  # on the device for the whole step besides the graphs: the optimizer's state
     resident_gradient_bytes: int = 0  # gradients that exist when the step starts (fxmem.price.accumulation)
     resident_gradients: str = ""  # what they are, for the plan's table ("accumulating", zeros)
+    # with offload: (name, optimizer-state bytes, value bytes) of each parameter whose state may live on the host,
+    # in gradient order, and the host CPU's update rate (parameter bytes/s); the planner decides (planner/host_state.py)
+    host_state: tuple[tuple[str, int, int], ...] = ()
+    host_update_bytes_per_s: float = 0.0
     held_bytes: tuple[int, int] = (0, 0)  # what the step's other graphs hold during this graph's forward, backward
     capture: str = ""  # how the graph was captured, for the plan's table
     loss: str = ""  # where the step's loss is (fxmem.trace.loss), for the plan's table
@@ -212,10 +216,19 @@ class Planner:
 
     def _fresh_plan(self, joint: torch.fx.GraphModule, fingerprint: str) -> Plan:
         """The plan for the budget less the resident bytes (`fxmem.planner.resident`: the optimizer's state, the
-        gradients accumulated into), stated for the whole budget."""
+        gradients accumulated into), stated for the whole budget; with offload and `host_state`, the state's
+        place (device or host) decided with it (`fxmem.planner.host_state`)."""
+        request = self.request
+        if request.offload and request.host_state and request.budget_bytes is not None and request.policy is None:
+            return plan_with_host_state(request, lambda state: self._resident_plan(joint, fingerprint, state),
+                                        self.margin.bytes_for(request.budget_bytes))
+        return self._resident_plan(joint, fingerprint, request.resident_bytes)
+
+    def _resident_plan(self, joint: torch.fx.GraphModule, fingerprint: str, state_bytes: int) -> Plan:
+        """The plan with `state_bytes` of optimizer state on the device."""
         request = self.request
         budget = request.budget_bytes
-        parts = resident_parts(request.resident_bytes, request.resident_gradient_bytes, request.resident_gradients)
+        parts = resident_parts(state_bytes, request.resident_gradient_bytes, request.resident_gradients)
         resident = sum(parts.values())
         policy = request.policy
         if not resident:
@@ -259,7 +272,7 @@ class Planner:
             lowered = build_problem(joint, split, costs, budget or 0, self.allocator, request.replay_random,
                                     fused=request.inner == "inductor")
         if request.offload:
-            lowered = _allow_offload(lowered, split, costs, request.offload_min_bytes)
+            lowered = allow_offload(lowered, split, costs, request.offload_min_bytes)
         log.info("joint graph: %d forward and %d backward ops, %d values backward may need",
                  len(split.forward), len(split.backward), lowered.problem.num_values)
         eager = self._candidate(joint, lowered, eager_decision(lowered.problem))
@@ -415,19 +428,6 @@ def _recomputed(candidate: _Candidate, split: JointSplit, views: set[str] | froz
     forward_names = {n.name for n in split.forward}
     return [n.name for n in candidate.bw.graph.nodes
             if n.op == "call_function" and n.name in forward_names and n.name not in views]
-
-
-def _allow_offload(lowered: Lowered, split: JointSplit, costs: CostTable, min_bytes: int) -> Lowered:
-    """The problem with offload over the device's host link allowed (unchanged without a link)."""
-    link = costs.device.host_link
-    if link is None:
-        return lowered
-    steps = list(split.forward) + list(split.backward)
-    step_ns = [round(costs.nodes[n.name].seconds * 1e9) if n.name in costs.nodes else 0 for n in steps]
-    problem = lowered.problem
-    transfer_ns = [round(link.seconds(b) * 1e9) for b in problem.size]
-    overhead_ns = round(2 * costs.device.op_overhead_s * 1e9)
-    return dataclasses.replace(lowered, problem=enable_offload(problem, step_ns, transfer_ns, min_bytes, overhead_ns))
 
 
 def _device_named(name: str, default: DeviceSpec) -> DeviceSpec:

@@ -7,6 +7,7 @@ returns a torch-free `MemoryProblem` whose steps are the joint graph's call_func
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Hashable
 
@@ -15,7 +16,7 @@ import torch.fx
 
 from fxmem.price.cost import CostTable, is_pointwise, is_view
 from fxmem.price.memory import EXACT, AllocatorModel, Walker, storages_of
-from fxmem.solve.problem import NEVER, MemoryProblem
+from fxmem.solve.problem import NEVER, MemoryProblem, enable_offload
 
 
 @dataclass(frozen=True)
@@ -220,3 +221,15 @@ def _storage_death(nodes, step_of, counted) -> dict[Hashable, int]:
             death[key] = max(death.get(key, -1), last)
     return death
 
+
+def allow_offload(lowered: Lowered, split: JointSplit, costs: CostTable, min_bytes: int) -> Lowered:
+    """The problem with offload over the device's host link allowed (unchanged without a link)."""
+    link = costs.device.host_link
+    if link is None:
+        return lowered
+    steps = list(split.forward) + list(split.backward)
+    step_ns = [round(costs.nodes[n.name].seconds * 1e9) if n.name in costs.nodes else 0 for n in steps]
+    problem = lowered.problem
+    transfer_ns = [round(link.seconds(b) * 1e9) for b in problem.size]
+    overhead_ns = round(2 * costs.device.op_overhead_s * 1e9)
+    return dataclasses.replace(lowered, problem=enable_offload(problem, step_ns, transfer_ns, min_bytes, overhead_ns))

@@ -36,6 +36,11 @@ def tensors_per_param(kind: str, options: dict[str, Any]) -> int:
     return STATE_TENSORS[kind] + extra
 
 
+def kind_of(optimizer: Any) -> str:
+    """The lower-case class name of an optimizer (of the one it wraps, for fxmem's HostOptimizer)."""
+    return getattr(optimizer, "optimizer_class", type(optimizer)).__name__.lower()
+
+
 def bytes_per_param_byte(optimizer: Any) -> float:
     """State bytes per parameter byte: from a name in `NAMED`, a number >= 0, an optimizer, or None (0)."""
     if optimizer is None:
@@ -46,7 +51,7 @@ def bytes_per_param_byte(optimizer: Any) -> float:
         kind, options = NAMED[optimizer.lower()]
         return float(tensors_per_param(kind, options))
     if hasattr(optimizer, "param_groups"):
-        return float(tensors_per_param(type(optimizer).__name__.lower(), optimizer.param_groups[0]))
+        return float(tensors_per_param(kind_of(optimizer), optimizer.param_groups[0]))
     raise ValueError(f"optimizer must be one of {sorted(NAMED)}, an optimizer, or its state's bytes per "
                      f"parameter byte (a number >= 0), got {optimizer!r}")
 
@@ -69,7 +74,7 @@ def state_bytes(optimizer: Any) -> int:
     if optimizer.state:
         return unique_bytes(t for state in optimizer.state.values() for t in state.values()
                              if hasattr(t, "untyped_storage") and t.dim() > 0)
-    kind = type(optimizer).__name__.lower()
+    kind = kind_of(optimizer)
     return sum(tensors_per_param(kind, group) * sum(p.numel() * p.element_size()
                                                      for p in group["params"] if p.requires_grad)
                for group in optimizer.param_groups)
@@ -84,3 +89,22 @@ def model_state_bytes(optimizer: Any, model: Any) -> int:
         return state_bytes(optimizer)
     trainable = unique_bytes(p for p in model.parameters() if p.requires_grad)
     return int(bytes_per_param_byte(optimizer) * trainable)
+
+
+def per_parameter(optimizer: Any, module: Any) -> tuple[tuple[str, int, int], ...]:
+    """(name, state bytes, value bytes) of each of `module`'s trainable parameters the optimizer trains, in
+    the order backward produces their gradients (the reverse of the module's; shared ones once). An optimizer
+    instance: its state where it has stepped, else as `tensors_per_param` counts it per group; a name or a
+    number of bytes per parameter byte: applied to every trainable parameter."""
+    params = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    if hasattr(optimizer, "param_groups"):
+        per = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                state = optimizer.state.get(p)
+                per[p] = unique_bytes(t for t in state.values() if hasattr(t, "untyped_storage") and t.dim() > 0) \
+                    if state else tensors_per_param(kind_of(optimizer), group) * p.numel() * p.element_size()
+    else:
+        ratio = bytes_per_param_byte(optimizer)
+        per = {p: int(ratio * p.numel() * p.element_size()) for _, p in params}
+    return tuple((name, per[p], p.numel() * p.element_size()) for name, p in reversed(params) if p in per)

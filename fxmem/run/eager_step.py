@@ -39,6 +39,12 @@ def eager_plan(plan: Plan, eager_peak: int) -> Plan | None:
             > plan.budget_bytes:
         return None
     nodes = tuple(dataclasses.replace(r, decision="save") if r.decision == "recompute" else r for r in plan.nodes)
+    if plan.host_state_bytes:  # eager's peak was measured with the whole optimizer state on the device
+        state = plan.optimizer_state_bytes + plan.host_state_bytes
+        plan = dataclasses.replace(plan, optimizer_state_bytes=state, host_state_bytes=0, host_parameters=(),
+                                   host_update_s=0.0, host_copy_s=0.0,
+                                   breakdown={**plan.breakdown, "optimizer state": state},
+                                   host_options=tuple({**row, "chosen": False} for row in plan.host_options))
     return dataclasses.replace(plan, runs_eagerly=True, predicted_peak_bytes=total,
                                eager_peak_bytes=total, recompute=(), extra_flops=0, nodes=nodes,
                                predicted_step_s=plan.baseline_step_s, offload=(), offloaded_bytes=0,

@@ -41,6 +41,7 @@ from fxmem.trace.step import Step, planned_step
 from fxmem.trace.meta_device import planned_on
 from fxmem.passes.dropout_backward import eager_dropout_backward
 from fxmem.planner.plan import Plan, graph_fingerprint
+from fxmem.run.host_optimizer import HostOptimizer
 from fxmem.planner.planner import Planner, PlanRequest
 from fxmem.planner.policies import PolicyError
 from fxmem.progress import planning
@@ -219,9 +220,10 @@ class OptimizedModule(ModelWrapper):
     microbatches' gradients already): one compiled step runs whatever gradients exist."""
 
     def __init__(self, model: torch.nn.Module, make_request: Callable[[torch.nn.Module, tuple, dict], PlanRequest],
-                 loss_options: tuple[bool, bool] | None = (True, True), fixed_plan: bool = False):
+                 loss_options: tuple[bool, bool] | None = (True, True), fixed_plan: bool = False,
+                 optimizer: HostOptimizer | None = None):
         super().__init__(model, _make_request=make_request, _steps={}, _backward_ran={}, _loss_options=loss_options,
-                         _fixed_plan=fixed_plan, _last=None)
+                         _fixed_plan=fixed_plan, _last=None, fxmem_optimizer=optimizer)
 
     @property
     def plans(self) -> list[Plan]:
@@ -287,7 +289,9 @@ class OptimizedModule(ModelWrapper):
                                 module, graph, args, kwargs, req))[1]
                     else:
                         step = CompiledStep(module, gm, Planner(captured_as(request, gm)), inner=request.inner)
-                return step, step(dict(model_state(module)), args, kwargs)  # the first call traces and plans
+                out = step(dict(model_state(module)), args, kwargs)  # the first call traces and plans
+                self._place_state(module, step)
+                return step, out
             except TraceError as exc:  # not one graph: Dynamo's graphs, under the same budget
                 from fxmem.run.dynamo.step import DynamoStep
 
@@ -297,6 +301,15 @@ class OptimizedModule(ModelWrapper):
 
                 step = DynamoStep(module, request, exc)
                 return step, step(args, kwargs)
+
+    def _place_state(self, module: torch.nn.Module, step: Any) -> None:
+        """Put the optimizer state of the parameters the new plan names on the host (`fxmem_optimizer`), the
+        rest on the device, before the step's backward copies their gradients."""
+        plans = getattr(step, "plans", None)
+        if self.fxmem_optimizer is None or not plans:
+            return
+        params = dict(module.named_parameters())
+        self.fxmem_optimizer.place([params[name] for name in plans[-1].host_parameters])
 
     def _saw_backward(self, key: tuple, step: CompiledStep, state: bwa.State, held: list) -> None:
         """Backward of `step` ran under `state`: if its graph is not eager's backward there, warn (once) and

@@ -322,3 +322,17 @@ def test_profile_says_where_the_time_went_and_no_cache_keeps_no_plan(tmp_path):
 def test_a_flag_the_run_would_ignore_is_refused_before_any_work(capsys, argv, text):
     code, out, err = cli(capsys, "mlp-tiny", *argv)
     assert code == 2 and out == "" and err.startswith(f"fxmem-plan: {text}"), err
+
+
+def test_optimizer_state_on_the_host_offline(capsys, tmp_path, monkeypatch):
+    """`--optimizer adamw --offload` plans where the state lives, for a GPU not here, and the table says it."""
+    monkeypatch.setenv("FXMEM_HOST_UPDATE_GBPS", "1")
+    path = tmp_path / "plan.json"
+    parameters = sum(p.numel() * p.element_size() for p in models.from_name("mlp-tiny").parameters())
+    code, out, err = cli(capsys, "mlp-tiny", "--budget-gb", "1", "--optimizer", "adamw", "--offload", "--target", "h100",
+                         "--time-limit", "1", "--out", str(path))
+    assert code == 0, err
+    plan = fxmem.Plan.load(path)
+    assert plan.optimizer_state_bytes + plan.host_state_bytes == 2 * parameters
+    assert "optimizer state" in out and "all on the host" in out and "all on the device" in out
+    assert any(row["chosen"] for row in plan.host_options)

@@ -1,0 +1,137 @@
+"""Optimizer state in host memory as the planner's decision, jointly with the activations' plan.
+
+Reads the request's trainable parameters (name, optimizer-state bytes, value bytes, in the order backward
+produces their gradients), the target's host link and the host CPU's update rate (`fxmem.price.host_update`),
+and a function that plans the step's graphs with a given number of state bytes on the device (raising
+`InfeasibleBudgetError` where nothing fits). Writes nothing; returns the chosen Plan, its `host_*` fields
+and `host_options` filled (the mixes considered, for the table).
+
+The mixes considered (`fxmem.solve.host_state` prices each): all the state on the host (planned first: where
+it does not fit, nothing does, and its refusal names the least with the state on the host); that plan's
+activations with the least state on the host that still fits them; the keep-all step (nothing recomputed or
+offloaded) with the least state on the host that fits it; all the state on the device; and, where that does
+not fit, the least state on the host that the graphs fit beside at their least budget (recomputing what
+they must; that least found by one more refused plan where not known). The one of least
+predicted step time (its exposed copies and host update counted) is chosen, ties to less state on the host.
+Mixes between these, recomputing part of what the last one recomputes, are not searched. The gradients' copies
+are counted whole (`OVERLAP_S`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from fxmem.errors import InfeasibleBudgetError
+from fxmem.planner.plan import Plan
+from fxmem.planner.resident import LABEL
+from fxmem.solve.host_state import HostStateCosts
+
+# The planned backward is one graph that returns every gradient at its end, so the gradients' hooks fire, and
+# their copies start, once backward is over: no backward time hides them. (Copies issued inside the backward
+# graph as each gradient is made would overlap it; fxmem.solve.host_state prices that with `overlap_s`.)
+OVERLAP_S = 0.0
+ALL_HOST, FITTED, KEEP_ALL, ALL_DEVICE = ("all on the host", "the plan's activations, least state on the host",
+                                          "keep-all, least state on the host", "all on the device")
+MOST_DEVICE = "least state on the host, recomputing what that needs"
+
+
+def host_costs(request) -> HostStateCosts:
+    """The request's parameters priced over its device's host link at its host update rate."""
+    link = request.device.host_link
+    sizes = request.host_state
+    return HostStateCosts(state=tuple(s for _, s, _ in sizes), grads=tuple(v for _, _, v in sizes),
+                          values=tuple(v for _, _, v in sizes), link_bytes_per_s=link.bytes_per_s,
+                          link_latency_s=link.latency_s, update_bytes_per_s=request.host_update_bytes_per_s)
+
+
+def restated(plan: Plan, device_state: int) -> Plan:
+    """`plan` with `device_state` bytes of optimizer state on the device instead of what it was made with."""
+    change = device_state - plan.optimizer_state_bytes
+    parts = {k: v for k, v in plan.breakdown.items() if k != LABEL}
+    return dataclasses.replace(plan, optimizer_state_bytes=device_state,
+                               breakdown={**({LABEL: device_state} if device_state else {}), **parts},
+                               baseline_peak_bytes=plan.baseline_peak_bytes + change,
+                               predicted_peak_bytes=plan.predicted_peak_bytes + change)
+
+
+def with_host_state(plan: Plan, costs: HostStateCosts, count: int, names: tuple[str, ...], options: tuple) -> Plan:
+    """`plan` with the first `count` parameters' state on the host: their state off the device, the copies'
+    and the update's exposed time in the step."""
+    plan = restated(plan, costs.device_bytes(count))
+    out, back = costs.copy_seconds(count)
+    update = costs.update_seconds(count)
+    exposed_copies = costs.exposed_seconds(count, OVERLAP_S) - update
+    return dataclasses.replace(
+        plan, host_state_bytes=costs.host_bytes(count), host_parameters=names[:count], host_update_s=update,
+        host_copy_s=out + back, predicted_step_s=plan.predicted_step_s + exposed_copies + update,
+        exposed_transfer_s=plan.exposed_transfer_s + exposed_copies, host_options=options,
+        host_link=plan.host_link or "")
+
+
+def plan_with_host_state(request, plan_at: Callable[[int], Plan], margin_bytes: int) -> Plan:
+    """The least-time mix of optimizer state on the host and activations' decision that fits the request's
+    budget (see the module's note). `plan_at(device_state_bytes)` plans the graphs for the budget less that
+    state."""
+    costs, budget = host_costs(request), request.budget_bytes
+    names = tuple(name for name, _, _ in request.host_state)
+    hosted = plan_at(0)  # its refusal is the least with every byte of state off the device
+    tried: list[tuple[str, Plan, int]] = [(ALL_HOST, hosted, costs.count)]
+    room = budget - margin_bytes - hosted.predicted_peak_bytes
+    fitted = costs.least_count(room)
+    if fitted is not None and fitted < costs.count:
+        tried.append((ALL_DEVICE if fitted == 0 else FITTED, hosted, fitted))
+    keep = costs.least_count(budget - margin_bytes - hosted.baseline_peak_bytes)
+    recomputes = hosted.predicted_step_s > hosted.baseline_step_s or hosted.recompute or hosted.offload
+    if keep is not None and recomputes and keep < costs.count:
+        try:
+            tried.append((ALL_DEVICE if keep == 0 else KEEP_ALL, plan_at(costs.device_bytes(keep)), keep))
+        except InfeasibleBudgetError:
+            pass
+    refused = None  # all on the device, where it does not fit: (the least budget, found or a bound)
+    floor = sum(v for k, v in hosted.breakdown.items() if k in ("parameters, buffers and inputs", "gradients"))
+    if fitted != 0 and keep != 0:
+        if budget - costs.total_state > floor:
+            try:
+                tried.append((ALL_DEVICE, plan_at(costs.total_state), 0))
+            except InfeasibleBudgetError as exc:
+                refused = (exc.min_budget_bytes, "found")
+        else:  # the state, parameters and gradients alone exceed the budget: not planned
+            refused = (costs.total_state + floor, "bound")
+    if refused is not None:
+        most = _most_on_device(costs, plan_at, budget, floor, refused)
+        if most is not None and all(most < count for _, _, count in tried):
+            try:
+                tried.append((MOST_DEVICE, plan_at(costs.device_bytes(most)), most))
+            except InfeasibleBudgetError:
+                pass
+    seconds = [plan.predicted_step_s + costs.exposed_seconds(count, OVERLAP_S) for _, plan, count in tried]
+    best = min(range(len(tried)), key=lambda i: (seconds[i], tried[i][2]))
+    options = tuple({"mix": label, "device_state_bytes": costs.device_bytes(count), "step_s": s, "chosen": i == best,
+                     "peak_bytes": plan.predicted_peak_bytes + costs.device_bytes(count) - plan.optimizer_state_bytes}
+                    for i, ((label, plan, count), s) in enumerate(zip(tried, seconds)))
+    if refused is not None:
+        options += ({"mix": ALL_DEVICE, "device_state_bytes": costs.total_state, "step_s": None, "chosen": False,
+                     "least_bytes": refused[0], "least": refused[1]},)
+    _, plan, count = tried[best]
+    plan = with_host_state(plan, costs, count, names, options)
+    return dataclasses.replace(plan, min_budget_bytes=hosted.min_budget_bytes)
+
+
+def _most_on_device(costs: HostStateCosts, plan_at: Callable[[int], Plan], budget: int, floor: int,
+                    refused: tuple[int, str]) -> int | None:
+    """The fewest parameters whose state on the host lets the graphs fit at their least budget (recomputing and
+    offloading all they can); None where that least is unknown. The least comes from the refusal of all the
+    state on the device, else from planning the graphs at the bytes of parameters and gradients alone, which is
+    refused naming it."""
+    if refused[1] == "found":
+        graphs_least = refused[0] - costs.total_state
+    elif budget > floor:
+        probe = budget - floor
+        try:
+            plan_at(probe)
+            return None
+        except InfeasibleBudgetError as exc:
+            graphs_least = exc.min_budget_bytes - probe
+    else:
+        return None
+    return costs.least_count(budget - graphs_least)

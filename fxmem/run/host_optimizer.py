@@ -1,0 +1,245 @@
+"""An optimizer whose state lives partly in host memory: ZeRO-Offload's principle, after the design of
+torchao's `CPUOffloadOptimizer` (not a dependency).
+
+Reads the user's optimizer (its class, param groups with their options, and any state it has) and the
+parameters whose state the plan puts on the host (`place`). For those, each gradient is copied to a host
+buffer as backward produces it (a post-accumulate-grad hook; on a GPU on a side stream into pinned
+memory, on the CPU a plain copy), the update runs on the CPU on a host copy of the parameter and its
+state, and the new values are copied back into the parameter. The other parameters are updated on their
+device by an optimizer of the user's class. Writes the parameters (at `step`), their `.grad` (at
+`zero_grad`, and with `offload_gradients` freed once copied) and its own state.
+
+It is a `torch.optim.Optimizer` (learning-rate schedulers check that) whose `param_groups` are the user's:
+a scheduler or the user changes their options there and `step` hands them on. `state` maps each parameter
+to its state (host tensors for the host part), so `state_dict()` has torch's own format (a
+`torch.optim.AdamW` loads it, and this loads one of theirs) and `load_state_dict` puts each part where the
+placement says, without a detour through the device.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+
+SUPPORTED = ("adam", "adamw")  # state and update on the host; other optimizers keep their state on the device
+
+
+def supports(optimizer: Any) -> bool:
+    """Whether the state of `optimizer` (an instance, or a name such as "adamw") may live on the host."""
+    if isinstance(optimizer, HostOptimizer):
+        optimizer = optimizer.optimizer_class.__name__
+    name = optimizer if isinstance(optimizer, str) else type(optimizer).__name__
+    return name.lower() in SUPPORTED
+
+
+class HostOptimizer(torch.optim.Optimizer):
+    """`optimizer`'s training, with the state of the parameters given to `place` on the host.
+
+    `offload_gradients`: free each host parameter's device gradient once copied (item 2 of the design: the
+    device then holds no gradient for it; clip with `clip_grad_norm_` here, which sees the host copies)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, offload_gradients: bool = False):
+        if isinstance(optimizer, HostOptimizer):
+            raise TypeError("the optimizer is a HostOptimizer already; pass the torch optimizer it wraps")
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])}
+                  for g in optimizer.param_groups]
+        super().__init__(groups, optimizer.defaults)
+        self.optimizer_class = type(optimizer)
+        self.offload_gradients = bool(offload_gradients)
+        for p, state in optimizer.state.items():
+            self.state[p] = dict(state)
+        self._host: dict[torch.nn.Parameter, torch.Tensor] = {}  # parameter -> its host copy
+        self._grads: dict[torch.nn.Parameter, torch.Tensor] = {}  # parameter -> its gradient's host buffer
+        self._copied: dict[torch.nn.Parameter, int] = {}  # copied this step: the gradient's version then
+        self._values: dict[torch.nn.Parameter, int] = {}  # the parameter's version when its host copy was equal
+        self._hooks: list[Any] = []
+        self._stream = None
+        self._place(())
+        optimizer.register_step_pre_hook(_stepped_instead)  # its state would grow beside ours, on the device
+
+    # -- placement ---------------------------------------------------------------------------------------
+    @property
+    def host_parameters(self) -> list[torch.nn.Parameter]:
+        return list(self._host)
+
+    def place(self, host: Iterable[torch.nn.Parameter]) -> None:
+        """Put the state of the parameters `host` on the host and every other one's on its device
+        (state already made moves with it). An optimizer `supports` refuses has no host part."""
+        host = list(host)
+        if host and not supports(self.optimizer_class.__name__):
+            raise ValueError(f"{self.optimizer_class.__name__}'s state stays on the device; host state is "
+                             f"supported for {', '.join(SUPPORTED)}")
+        self._place(host)
+
+    def _place(self, host: list[torch.nn.Parameter]) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        ours = {p for g in self.param_groups for p in g["params"]}
+        unknown = [p for p in host if p not in ours]
+        if unknown:
+            raise ValueError(f"{len(unknown)} parameter(s) to place on the host are not this optimizer's")
+        chosen = set(host)
+        self._host = {p: self._host.get(p) if p in self._host else self._host_copy(p)
+                      for g in self.param_groups for p in g["params"] if p in chosen}
+        self._grads = {p: self._grads[p] for p in self._host if p in self._grads}
+        for p in list(self.state):  # state follows its parameter
+            where = torch.device("cpu") if p in self._host else p.device
+            self.state[p] = {k: _moved(v, where) for k, v in self.state[p].items()}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self._host]
+        self._device_opt = self._inner([[p for p in g["params"] if p not in self._host] for g in self.param_groups])
+        self._host_opt = self._inner([[self._host[p] for p in g["params"] if p in self._host]
+                                      for g in self.param_groups])
+        if self._host_opt is not None:
+            for p, copy in self._host.items():
+                if p in self.state:
+                    self._host_opt.state[copy] = self.state[p]  # one dict: state_dict sees the host's state
+
+    def _inner(self, params: list[list[torch.Tensor]]) -> torch.optim.Optimizer | None:
+        """An optimizer of the user's class over `params` (one group per user group that has any)."""
+        used = [i for i, group in enumerate(params) if group]
+        if not used:
+            return None
+        opt = self.optimizer_class([{**self._options(i), "params": params[i]} for i in used])
+        opt.fxmem_groups = used
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p in self.state:
+                    opt.state[p] = self.state[p]
+        return opt
+
+    def _options(self, i: int) -> dict[str, Any]:
+        return {k: v for k, v in self.param_groups[i].items() if k != "params"}
+
+    def _host_copy(self, p: torch.nn.Parameter) -> torch.Tensor:
+        copy = p.detach().to("cpu", copy=True)
+        self._values[p] = p._version
+        return copy.pin_memory() if p.device.type == "cuda" else copy
+
+    def _fresh_values(self, p: torch.nn.Parameter) -> None:
+        """The host copy of `p` made again where `p` changed outside `step` (a checkpoint loaded into the model)."""
+        if self._values.get(p) != p._version:
+            self._host[p].copy_(p.detach())
+            self._values[p] = p._version
+
+    # -- gradients ---------------------------------------------------------------------------------------
+    def _grad_ready(self, p: torch.nn.Parameter) -> None:
+        """Backward accumulated `p`'s gradient: start its copy to the host."""
+        grad = p.grad
+        if grad is None:
+            return
+        buffer = self._grads.get(p)
+        if buffer is None:
+            buffer = torch.empty(grad.shape, dtype=grad.dtype, device="cpu",
+                                 pin_memory=grad.device.type == "cuda")
+            self._grads[p] = buffer
+        if grad.device.type == "cuda":
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(grad.device)
+            self._stream.wait_stream(torch.cuda.current_stream(grad.device))
+            with torch.cuda.stream(self._stream):
+                buffer.copy_(grad, non_blocking=True)
+            grad.record_stream(self._stream)
+        else:
+            buffer.copy_(grad)
+        self._copied[p] = grad._version
+        if self.offload_gradients:
+            p.grad = None
+
+    def _host_grad(self, p: torch.nn.Parameter) -> torch.Tensor | None:
+        """`p`'s gradient on the host: the copy backward started, copied again where the device gradient
+        changed since (clipping, unscaling) or was never copied (None: no gradient this step)."""
+        grad = p.grad
+        if grad is not None and self._copied.get(p) != grad._version:
+            self._grad_ready(p)
+            if self._stream is not None:
+                self._stream.synchronize()
+        return self._grads[p] if p in self._copied else None
+
+    def _sync(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """`torch.nn.utils.clip_grad_norm_` over every parameter's gradient, the host copies included
+        (needed with `offload_gradients`, where the device holds no gradient for the host part)."""
+        self._sync()
+        pairs = [(p, self._host_grad(p) if p in self._host else p.grad) for g in self.param_groups for p in g["params"]]
+        pairs = [(p, grad) for p, grad in pairs if grad is not None]
+        total = torch.nn.utils.get_total_norm([grad for _, grad in pairs], norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_ scales
+        for p, grad in pairs:
+            grad.mul_(coef.to(grad.device))
+            if p in self._host and p.grad is not None:  # the device's gradient too, where it is kept
+                p.grad.mul_(coef.to(p.grad.device))
+                self._copied[p] = p.grad._version
+        return total
+
+    # -- the optimizer's interface -----------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for opt in (self._device_opt, self._host_opt):
+            if opt is not None:
+                for i, group in zip(opt.fxmem_groups, opt.param_groups):
+                    group.update(self._options(i))  # a scheduler's learning rate, the user's changes
+        if self._device_opt is not None:
+            self._device_opt.step()
+        if self._host_opt is not None:
+            self._sync()
+            stepped = []
+            for p, copy in self._host.items():
+                copy.grad = self._host_grad(p)
+                if copy.grad is not None:
+                    self._fresh_values(p)
+                    stepped.append(p)
+            self._sync()
+            self._host_opt.step()
+            for p in stepped:
+                p.detach().copy_(self._host[p], non_blocking=True)
+                self._values[p] = p._version
+                self.state[p] = self._host_opt.state[self._host[p]]
+                self._host[p].grad = None
+        if self._device_opt is not None:
+            for group in self._device_opt.param_groups:
+                for p in group["params"]:
+                    if p in self._device_opt.state:
+                        self.state[p] = self._device_opt.state[p]
+        self._copied.clear()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self._copied.clear()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's format (this optimizer's or a torch optimizer's over the same parameters): the host part's
+        state is read straight into host memory, the rest as torch reads it."""
+        order = [p for g in self.param_groups for p in g["params"]]
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        host_ids = {i for i, p in zip(ids, order) if p in self._host}
+        saved = state_dict["state"]
+        super().load_state_dict({**state_dict, "state": {i: s for i, s in saved.items() if i not in host_ids}})
+        for i, p in zip(ids, order):
+            if i in host_ids and i in saved:
+                self.state[p] = {k: _moved(v, torch.device("cpu"), like=p) for k, v in saved[i].items()}
+        self._place(list(self._host))
+
+
+def _stepped_instead(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    raise RuntimeError(f"this {type(optimizer).__name__} is wrapped by fxmem's HostOptimizer (fxmem.optimize with "
+                       "offload=True: the module's fxmem_optimizer); step that one, which keeps part of the state on "
+                       "the host")
+
+
+def _moved(value: Any, where: torch.device, like: torch.Tensor | None = None) -> Any:
+    """A state value on `where` (a step counter as it is; a floating tensor in `like`'s dtype when given)."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value
+    dtype = like.dtype if like is not None and value.is_floating_point() else value.dtype
+    moved = value.to(where, dtype=dtype, copy=value.device != where)
+    return moved.pin_memory() if where.type == "cpu" and torch.cuda.is_available() and like is not None \
+        and like.device.type == "cuda" else moved

@@ -1,0 +1,75 @@
+"""Which parameters' optimizer state lives in host memory: the choice as numbers, free of torch.
+
+Reads per trainable parameter, in the order backward produces their gradients, the bytes of its optimizer
+state, of its gradient and of its values, and the host link's and the host CPU's rates; writes nothing.
+A choice is a count: the state of the first `count` parameters in that order lives on the host (those
+whose gradients are ready first, so their copies could overlap most of backward). Its time:
+
+- each gradient copied to the host over the link, overlapped with whatever backward work remains after the
+  gradient is ready (`overlap_s`: 0 where backward hands every gradient over at its end, as a planned
+  backward graph does): exposed where the copies take longer;
+- the update on the host CPU, and the new values copied back before the next forward: exposed whole
+  (the device waits for them, as torchao's CPUOffloadOptimizer and ZeRO-Offload without overlap do).
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from itertools import accumulate
+
+
+@dataclass(frozen=True)
+class HostStateCosts:
+    """The parameters, in gradient order: `state` bytes (optimizer state), `grads` and `values` bytes;
+    the link's bytes/s per direction and fixed cost per copy, the host's update rate in parameter bytes/s."""
+
+    state: tuple[int, ...]
+    grads: tuple[int, ...]
+    values: tuple[int, ...]
+    link_bytes_per_s: float
+    link_latency_s: float
+    update_bytes_per_s: float
+
+    def __post_init__(self):
+        if not len(self.state) == len(self.grads) == len(self.values):
+            raise ValueError("state, grads and values must have one entry per parameter")
+        if self.link_bytes_per_s <= 0 or self.update_bytes_per_s <= 0:
+            raise ValueError("the link's and the host update's rates must be positive")
+
+    @property
+    def count(self) -> int:
+        return len(self.state)
+
+    @property
+    def total_state(self) -> int:
+        return sum(self.state)
+
+    def host_bytes(self, count: int) -> int:
+        """State bytes on the host with the first `count` parameters' state there."""
+        return sum(self.state[:count])
+
+    def device_bytes(self, count: int) -> int:
+        return self.total_state - self.host_bytes(count)
+
+    def copy_seconds(self, count: int) -> tuple[float, float]:
+        """(gradients to the host, values back to the device) for the first `count` parameters."""
+        out = sum(self.grads[:count]) / self.link_bytes_per_s + count * self.link_latency_s
+        back = sum(self.values[:count]) / self.link_bytes_per_s + count * self.link_latency_s
+        return out, back
+
+    def update_seconds(self, count: int) -> float:
+        return sum(self.values[:count]) / self.update_bytes_per_s
+
+    def exposed_seconds(self, count: int, overlap_s: float) -> float:
+        """What the step waits for: gradient copies beyond `overlap_s` of backward, the host update, the copy back."""
+        out, back = self.copy_seconds(count)
+        return max(0.0, out - overlap_s) + self.update_seconds(count) + back
+
+    def least_count(self, device_room: int) -> int | None:
+        """The fewest parameters whose state on the host leaves at most `device_room` bytes of state on the
+        device (None: not even all of it on the host does)."""
+        if device_room < 0:
+            return None
+        hosted = [0, *accumulate(self.state)]  # bytes on the host after each count, non-decreasing
+        count = bisect.bisect_left(hosted, self.total_state - device_room)
+        return count if count <= self.count else None

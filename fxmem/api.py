@@ -310,4 +310,6 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
                             optimizer=optimizer, policy=policy, inner=inner, cache=cache)
 
     measure = plan is None and (policy is None or policy.name == "speed")  # eager's peak is compared with the budget
-    return presented(OptimizedModule(model, request_for, (model_loss, keep_outputs is not False, measure)))
+    if keep_outputs is None and plan is not None:  # a given plan is for the outputs held, unless it says otherwise
+        keep_outputs = True
+    return presented(OptimizedModule(model, request_for, (model_loss, keep_outputs, measure)))

@@ -62,7 +62,8 @@ def probe_step(model: torch.nn.Module, args: Sequence[Any], kwargs: dict, settin
 def _cut(compiled: Any) -> Any:
     """`compiled`, its outputs cut from autograd (requiring gradients as they did): what it keeps for a backward
     the probe never runs is freed as it returns, so the probe holds one graph's activations at a time (and the
-    tensors passed between graphs twice), not the whole forward's (the first call of a step holds no more than the calls after it)."""
+    tensors passed between graphs twice), not the whole forward's: the first call of a step holds no more than the
+    calls after it."""
     def run(*args: Any) -> Any:
         out = compiled(*args)
         return type(out)(o.detach().requires_grad_().clone() if isinstance(o, torch.Tensor) and o.requires_grad

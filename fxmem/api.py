@@ -256,8 +256,10 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
     is called as `loss = opt(*inputs, target=y)`, which is `loss_fn(model(*inputs), y)` planned as one
     step (with `keep_outputs`, `(loss, outputs)`). `optimizer`: its state counts in the budget (see `plan`).
     Without `loss_fn`, a model called with `labels=` (an output with a scalar `loss`) trains as
-    `model(...).loss.backward()` does, planned from its loss, other outputs returned detached
-    (`keep_outputs=False`: the loss alone); `model_loss=False` keeps a gradient on every output (see `plan`). The optimized module's `.plan` is
+    `model(...).loss.backward()` does, planned from its loss, other outputs returned detached until a call is
+    seen dropping its output before backward, then not returned (`fxmem.trace.loop`; `keep_outputs=True`: always
+    returned, `keep_outputs=False`: the loss alone); `model_loss=False` keeps a gradient on every output (see
+    `plan`). The optimized module's `.plan` is
     the plan of the input signature it saw last, `.plans` all of them. `policy`, `every_n`: a named policy
     instead of (or checked against) `budget_gb`, see `plan`. `inner="inductor"`: Inductor compiles the planned
     step (fused kernels; fxmem's planner decides what backward keeps and recomputes: `fxmem.run.inductor.step`);

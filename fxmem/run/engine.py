@@ -278,10 +278,12 @@ class OptimizedModule(ModelWrapper):
         except InfeasibleBudgetError as exc:
             if loop != HELD:
                 raise
-            held_least = exc.min_budget_bytes
+            held, held_least = exc, exc.min_budget_bytes
         try:
             step, out = self._plan(model, args, kwargs, grads, DROPPED, held_least)
         except InfeasibleBudgetError as exc:
+            if exc.min_budget_bytes >= held_least:  # dropping the outputs does not lower it (Dynamo's graphs)
+                raise held from None
             exc.args = (f"{exc.args[0]}; at that least the outputs beside the loss are not returned (held through "
                         f"backward, they need {fmt_bytes(held_least or 0)})",)
             raise

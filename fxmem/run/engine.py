@@ -246,7 +246,7 @@ class OptimizedModule(ModelWrapper):
         grads = gradient_state(model)  # accumulating micro-batches are planned with their gradients resident
         loop = self._loop.loop if self._loop is not None else None  # the loop the user was seen running
         key = (*_cache_key(model, args, kwargs), None if self._fixed_plan else grads.key, loop)
-        ran = self._backward_ran.get(key)  # where this signature's backward ran last (None: not yet)
+        ran = self._backward_ran.get(key[:-1])  # where this signature's backward ran last, whatever the loop
         object.__setattr__(self, "_last", (key, ran))
         step = self._steps.get((key, ran))
         if step is None:
@@ -337,7 +337,7 @@ class OptimizedModule(ModelWrapper):
         """Backward of `step` ran under `state`: if its graph is not eager's backward there, warn (once) and
         plan again at the next call. `held`: [args, kwargs] of the call, emptied here (a second backward
         through the same call, with retain_graph, is not checked again)."""
-        self._backward_ran[key] = state
+        self._backward_ran[key[:-1]] = state  # the same for the loop's other plan
         args, kwargs = held if held else (None, None)
         held.clear()
         if state not in step.backward_agrees and args is not None:

@@ -276,7 +276,7 @@ class OptimizedModule(ModelWrapper):
         try:
             return self._plan(model, args, kwargs, grads, loop)
         except InfeasibleBudgetError as exc:
-            if loop != HELD:
+            if loop != HELD or not getattr(exc, "names_held_outputs", False):  # no outputs held beside a loss
                 raise
             held, held_least = exc, exc.min_budget_bytes
         try:

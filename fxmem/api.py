@@ -274,8 +274,10 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
     `offload=True` (or a `plan` keeping state on the host) and Adam/AdamW, step `module.fxmem_optimizer` instead
     (`fxmem.run.host_optimizer.HostOptimizer`: the host part's update runs where its state is).
     Without `loss_fn`, a model called with `labels=` (an output with a scalar `loss`) trains as
-    `model(...).loss.backward()` does, planned from its loss, other outputs returned detached
-    (`keep_outputs=False`: the loss alone); `model_loss=False` keeps a gradient on every output (see `plan`). The optimized module's `.plan` is
+    `model(...).loss.backward()` does, planned from its loss, other outputs returned detached until a call is
+    seen dropping its output before backward, then not returned (`fxmem.trace.loop`; `keep_outputs=True`: always
+    returned, `keep_outputs=False`: the loss alone); `model_loss=False` keeps a gradient on every output (see
+    `plan`). The optimized module's `.plan` is
     the plan of the input signature it saw last, `.plans` all of them. `policy`, `every_n`: a named policy
     instead of (or checked against) `budget_gb`, see `plan`. `inner="inductor"`: Inductor compiles the planned
     step (fused kernels; fxmem's planner decides what backward keeps and recomputes: `fxmem.run.inductor.step`);
@@ -334,8 +336,9 @@ def optimize(model: torch.nn.Module, *, budget_gb: float | None = None, plan: Pl
     hosted = host_optimizer(optimizer, offload or bool(plan is not None and plan.host_parameters))
     if hosted is not None:
         optimizer = hosted
-    return presented(OptimizedModule(model, request_for, (model_loss, keep_outputs is not False, measure),
-                                     optimizer=hosted))
+    if keep_outputs is None and plan is not None:  # a given plan is for the outputs held, unless it says otherwise
+        keep_outputs = True
+    return presented(OptimizedModule(model, request_for, (model_loss, keep_outputs, measure), optimizer=hosted))
 
 
 def host_optimizer(optimizer: Any, offload: bool) -> HostOptimizer | None:

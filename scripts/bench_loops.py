@@ -2,8 +2,10 @@
 """Training loops as transformers users write them (`labels=`, no `loss_fn`), measured with MemTracker:
 eager, the model's own `gradient_checkpointing_enable()`, and fxmem at its least budget and at 1.0x and
 1.5x eager's peak. Two loop shapes: "held" (`out = model(...); out.loss.backward()`, the output alive
-through backward) and "dropped" (`model(...).loss.backward()`). fxmem's default returns the logits
-detached and counts them held; `keep_outputs=False` returns the loss alone.
+through backward) and "dropped" (`model(...).loss.backward()`). `keep_outputs=True` returns the logits
+detached and counts them held; `keep_outputs=False` returns the loss alone; the default plans them held until
+a call is seen dropping them (fxmem.trace.loop), measured at both leasts on every call, the first of each loop
+and the one that switches plans included.
 
 examples:
   python scripts/bench_loops.py
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import warnings
 
 import torch
 from tabulate import tabulate
@@ -47,9 +50,11 @@ def dropped(m, inputs, kw):
     m(*inputs, **kw).loss.backward()
 
 
-def peaks(module, ids):
+def peaks(module, ids, warmup=True):
+    """Held, then dropped (without `warmup`: the largest of two calls of each, the first of each included)."""
     kw = {"labels": ids}
-    return [measure_peak_bytes(module, (ids,), kw, step=held) / MiB, measure_peak_bytes(module, (ids,), kw, step=dropped) / MiB]
+    return [max(measure_peak_bytes(module, (ids,), kw, step=step, warmup=warmup) for _ in range(1 if warmup else 2))
+            / MiB for step in (held, dropped)]
 
 
 def rows_for(name, time_limit):
@@ -58,15 +63,23 @@ def rows_for(name, time_limit):
     checkpointed = copy.deepcopy(model)
     checkpointed.gradient_checkpointing_enable()
     rows = [[name, "eager", "-", *eager, "-"], [name, "model's own checkpointing", "-", *peaks(checkpointed, ids), "-"]]
+    leasts = {}
     for keep in (True, False):
         try:
             fxmem.plan(model, (ids,), example_kwargs={"labels": ids}, budget_gb=0.001, time_limit_s=time_limit,
                        keep_outputs=keep)
         except InfeasibleBudgetError as exc:
-            least = exc.min_budget_bytes
+            leasts[keep] = least = exc.min_budget_bytes
         opt = fxmem.optimize(copy.deepcopy(model), budget_gb=least / 2**30, time_limit_s=time_limit, keep_outputs=keep)
         rows.append([name, f"fxmem least (keep_outputs={keep})", least / MiB, *peaks(opt, ids),
                      opt.plan.predicted_peak_bytes / MiB])
+    for keep, least in leasts.items():  # the default learns the loop: every call measured, the switching one too
+        opt = fxmem.optimize(copy.deepcopy(model), budget_gb=least / 2**30, time_limit_s=time_limit)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # below the held least: "outputs not returned"
+            measured = peaks(opt, ids, warmup=False)
+        rows.append([name, f"fxmem default at the {'held' if keep else 'dropped'} least, every call", least / MiB,
+                     *measured, max(p.predicted_peak_bytes for p in opt.plans) / MiB])
     for times in (1.0, 1.5):
         budget = times * eager[0] * MiB
         opt = fxmem.optimize(copy.deepcopy(model), budget_gb=budget / 2**30, time_limit_s=time_limit)

@@ -36,7 +36,9 @@ from fxmem.run.inductor.step import InductorRunner
 from fxmem.run.joint_cache import Uncompiled, joint_of, kept, key_of, partitioning
 from fxmem.run.planners import KeepingPlanner
 from fxmem.error_boundary import public, warn_at_caller
-from fxmem.errors import TraceError
+from fxmem.errors import InfeasibleBudgetError, TraceError, fmt_bytes
+from fxmem.trace.loop import DROPPED, HELD, LoopWatch, loop_row
+from fxmem.trace.loss import OwnLossStep
 from fxmem.trace.step import Step, planned_step
 from fxmem.trace.meta_device import planned_on
 from fxmem.passes.dropout_backward import eager_dropout_backward
@@ -214,16 +216,21 @@ class OptimizedModule(ModelWrapper):
     unchanged and an optimizer over either module's parameters trains both. `make_request(module, args,
     kwargs)` says what to plan for an input signature seen for the first time; `module` is the model, or
     the model with its own `loss` output as the step's loss (`fxmem.trace.step.planned_step`, whose
-    `model_loss`, `keep_outputs` and `measure` are `loss_options`; None: the model's outputs as they are).
+    `model_loss`, `keep_outputs` and `measure` are `loss_options`; None: the model's outputs as they are;
+    `keep_outputs` None: planned for the loop seen, `fxmem.trace.loop`).
     A step is planned per input signature and per gradients resident at its start (accumulating
     micro-batches), except with a `fixed_plan` (pipeline stages and device regions, whose plans count the
     microbatches' gradients already): one compiled step runs whatever gradients exist."""
 
     def __init__(self, model: torch.nn.Module, make_request: Callable[[torch.nn.Module, tuple, dict], PlanRequest],
-                 loss_options: tuple[bool, bool] | None = (True, True), fixed_plan: bool = False,
+                 loss_options: tuple[bool, bool | None, bool] | None = (True, True, True), fixed_plan: bool = False,
                  optimizer: HostOptimizer | None = None):
+        learning = loss_options is not None and loss_options[0] and loss_options[1] is None
+        if loss_options is not None and loss_options[1] is None:
+            loss_options = (loss_options[0], True, loss_options[2])
         super().__init__(model, _make_request=make_request, _steps={}, _backward_ran={}, _loss_options=loss_options,
-                         _fixed_plan=fixed_plan, _last=None, fxmem_optimizer=optimizer)
+                         _fixed_plan=fixed_plan, _last=None, _loop=LoopWatch() if learning else None,
+                         fxmem_optimizer=optimizer)
 
     @property
     def plans(self) -> list[Plan]:
@@ -243,15 +250,16 @@ class OptimizedModule(ModelWrapper):
         if not torch.is_grad_enabled():
             return model(*args, **kwargs)
         grads = gradient_state(model)  # accumulating micro-batches are planned with their gradients resident
-        key = (*_cache_key(model, args, kwargs), None if self._fixed_plan else grads.key)
-        ran = self._backward_ran.get(key)  # where this signature's backward ran last (None: not yet)
+        loop = self._loop.loop if self._loop is not None else None  # the loop the user was seen running
+        key = (*_cache_key(model, args, kwargs), None if self._fixed_plan else grads.key, loop)
+        ran = self._backward_ran.get(key[:-1])  # where this signature's backward ran last, whatever the loop
         object.__setattr__(self, "_last", (key, ran))
         step = self._steps.get((key, ran))
         if step is None:
             forward = bwa.live_state()
             backward = bwa.expected_state(forward) if ran is None else ran
             with torch._functorch.config.patch(backward_pass_autocast=bwa.config_for(backward, forward)):
-                step, out = self._plan(model, args, kwargs, grads)
+                step, out = self._plan_for_loop(model, args, kwargs, grads, key, loop)
             self._steps[(key, ran)] = step
             if isinstance(step, CompiledStep):
                 step.forward_autocast, step.traced_backward = forward, backward
@@ -259,18 +267,49 @@ class OptimizedModule(ModelWrapper):
         elif isinstance(step, CompiledStep):
             out = step(dict(model_state(model)), args, kwargs)
         else:
-            return step(args, kwargs)
+            out = step(args, kwargs)
         if isinstance(step, CompiledStep):  # the inputs are let go at the first backward through the step, so
             held = [args, kwargs]  # a block's input (FSDP2, fxmem.fsdp) is not kept until the loss is dropped
             bwa.watch_backward(out, lambda state: self._saw_backward(key, step, state, held))
+        if self._loop is not None:
+            self._loop.watch(out)
         return out
 
-    def _plan(self, model: torch.nn.Module, args: tuple, kwargs: dict, grads: GradientState) -> tuple[Any, Any]:
-        """A new step for this input signature and the gradients resident at its start, and the output of its
-        first call (which traces and plans)."""
-        stepped = planned_step(model, args, kwargs, *self._loss_options) if self._loss_options \
-            else Step(model, "", args, kwargs)
+    def _plan_for_loop(self, model: torch.nn.Module, args: tuple, kwargs: dict, grads: GradientState, key: tuple,
+                       loop: str | None) -> tuple[Any, Any]:
+        """`_plan`'s step for the loop seen (`fxmem.trace.loop`). Where the outputs cannot be held within the
+        budget, the step that drops them, whatever the loop (said once in a warning), kept for the held loop too."""
+        try:
+            return self._plan(model, args, kwargs, grads, loop)
+        except InfeasibleBudgetError as exc:
+            if loop != HELD or not getattr(exc, "names_held_outputs", False):  # no outputs held beside a loss
+                raise
+            held, held_least = exc, exc.min_budget_bytes
+        try:
+            step, out = self._plan(model, args, kwargs, grads, DROPPED, held_least)
+        except InfeasibleBudgetError as exc:
+            if exc.min_budget_bytes >= held_least:  # dropping the outputs does not lower it (Dynamo's graphs)
+                raise held from None
+            exc.args = (f"{exc.args[0]}; at that least the outputs beside the loss are not returned (held through "
+                        f"backward, they need {fmt_bytes(held_least or 0)})",)
+            raise
+        self._steps.setdefault((key[:-1] + (DROPPED,), None), step)
+        warn_at_caller(f"fxmem: {type(self.fxmem_model).__qualname__}'s outputs beside its loss are not returned "
+                       f"(None): the budget is below the least with them held ({fmt_bytes(held_least or 0)}); "
+                       "keep_outputs=False asks for this")
+        return step, out
+
+    def _plan(self, model: torch.nn.Module, args: tuple, kwargs: dict, grads: GradientState, loop: str | None = None,
+              held_least: int | None = None) -> tuple[Any, Any]:
+        """A new step for this input signature, the gradients resident at its start and the loop seen (None:
+        `keep_outputs` as given), and the output of its first call (which traces and plans)."""
+        options = self._loss_options
+        if options and loop is not None:
+            options = (options[0], loop == HELD, options[2])
+        stepped = planned_step(model, args, kwargs, *options) if options else Step(model, "", args, kwargs)
         module, loss = stepped.module, stepped.loss
+        if loop is not None and isinstance(module, OwnLossStep):
+            loss = loop_row(loss, loop, held_least)
         request = dataclasses.replace(self._make_request(module, args, kwargs), loss=loss,
                                       resident_gradient_bytes=grads.bytes, resident_gradients=grads.description)
         _warn_unplanned_gradients(request, grads)
@@ -315,7 +354,7 @@ class OptimizedModule(ModelWrapper):
         """Backward of `step` ran under `state`: if its graph is not eager's backward there, warn (once) and
         plan again at the next call. `held`: [args, kwargs] of the call, emptied here (a second backward
         through the same call, with retain_graph, is not checked again)."""
-        self._backward_ran[key] = state
+        self._backward_ran[key[:-1]] = state  # the same for the loop's other plan
         args, kwargs = held if held else (None, None)
         held.clear()
         if state not in step.backward_agrees and args is not None:

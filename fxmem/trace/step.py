@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import warnings
 import weakref
 from typing import Any
 
 import torch
 
+from fxmem.error_boundary import warn_at_caller
 from fxmem.errors import InfeasibleBudgetError, fmt_bytes
 from fxmem.trace.call_check import check_call, outputs_on_fakes
 from fxmem.trace.eager_meter import eager_peak_bytes
@@ -100,11 +100,11 @@ def planned_step(model: torch.nn.Module, args: tuple, kwargs: dict, model_loss: 
         return Step(model, "the model's outputs, every one with a gradient (model_loss=False)", args, kwargs, peak)
     if boundary.kind == "outside" and model not in _warned:
         _warned.add(model)
-        warnings.warn(
+        warn_at_caller(
             f"fxmem: {type(model).__qualname__} returns no scalar loss, so its loss is computed outside the plan: "
             f"{fmt_bytes(boundary.outside_bytes)} of outputs with gradients leave the step after forward, and what "
             "the loss makes of them (and their gradients) is not in the budget. Pass loss_fn=(outputs, target) -> "
-            "loss and call the module with target= to plan the loss too.", UserWarning, stacklevel=4)
+            "loss and call the module with target= to plan the loss too.")
     return Step(model, boundary.text(), args, kwargs, peak)
 
 

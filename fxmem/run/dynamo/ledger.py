@@ -158,7 +158,8 @@ class Ledger:
         for r in self.records:
             first.setdefault(r.frame if r.frame is not None else id(r), r.index)
         order = first.get(record.frame if record.frame is not None else id(record), record.index)
-        return sum(r.saved_bytes * self.runs.get(r.index, 1) for r in others
+        # a recompiled frame runs as often as the graph it replaces
+        return sum(r.saved_bytes * self.runs.get(self.position(r), 1) for r in others
                    if first.get(r.frame if r.frame is not None else id(r), r.index) < order)
 
     def later_grads(self, record: GraphRecord) -> Storages:

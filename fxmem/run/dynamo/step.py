@@ -37,6 +37,7 @@ from fxmem.planner.planner import PlanRequest
 from fxmem.planner.resident import refusal_with_resident, resident_parts, with_resident
 
 log = logging.getLogger("fxmem")
+RECOMPILE_LIMIT = 64
 
 
 def probe_step(model: torch.nn.Module, args: Sequence[Any], kwargs: dict, settings: CompileSettings, survey: list,
@@ -50,12 +51,26 @@ def probe_step(model: torch.nn.Module, args: Sequence[Any], kwargs: dict, settin
         def planner_for(request, record):
             planners.append(ProbePlanner(dataclasses.replace(request, budget_bytes=None), ledger, record))
             return planners[-1]
-        return compile_graph(gm, example_inputs, settings, ledger, planner_for, count_saved=False)
+        return _cut(compile_graph(gm, example_inputs, settings, ledger, planner_for, count_saved=False))
 
     with untouched(model):
         out = torch.compile(model, backend=backend)(*args, **kwargs)
     del out
     return [p for p in planners if p.plan is not None]  # graphs without a backward are not planned
+
+
+def _cut(compiled: Any) -> Any:
+    """`compiled`, its outputs cut from autograd (requiring gradients as they did): what it keeps for a backward
+    the probe never runs is freed as it returns, so the probe holds one graph's activations at a time (and the
+    tensors passed between graphs twice), not the whole forward's: the first call of a step holds no more than the
+    calls after it."""
+    def run(*args: Any) -> Any:
+        out = compiled(*args)
+        return type(out)(o.detach().requires_grad_().clone() if isinstance(o, torch.Tensor) and o.requires_grad
+                         else o for o in out)  # not a leaf: code between the graphs may write into it
+
+    run._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
+    return run
 
 
 def _backend(settings: CompileSettings) -> Any:
@@ -106,7 +121,10 @@ class DynamoStep:
                 for p in plans]
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
-        with eager_random():
+        # a frame whose guards fail is compiled (and planned) again; past Dynamo's recompile limit it would run
+        # eagerly, unplanned (a memory meter's global module hooks, new each step, fail a guard every step)
+        limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        with eager_random(), torch._dynamo.config.patch(recompile_limit=limit):
             return self._step(args, kwargs)
 
     def _step(self, args: tuple, kwargs: dict) -> Any:
@@ -145,8 +163,9 @@ class DynamoStep:
         if self.warned or ledger is None:
             return
         before = before + [0] * (len(ledger.records) - len(before))
-        repeated = [(r.index, r.calls - b, ledger.runs.get(r.index, 1)) for r, b in zip(ledger.records, before)
-                    if r.calls - b > ledger.runs.get(r.index, 1)]
+        runs = [ledger.runs.get(ledger.position(r), 1) for r in ledger.records]  # a recompiled frame: its first's
+        repeated = [(r.index, r.calls - b, most) for r, b, most in zip(ledger.records, before, runs)
+                    if r.calls - b > most]
         if repeated:
             self.warned = True
             runs = ", ".join(f"graph {i} {n} times (budgeted for {most})" for i, n, most in repeated)

@@ -132,7 +132,7 @@ class FusedPlanning:
             self.timer = KernelTimer(next(t.device for t in fakes if isinstance(t, torch.Tensor)))
         seconds = step_seconds(fused_fw, fused_bw, request.device, num_parameters, self.timer)
         plan = dataclasses.replace(plan, predicted_peak_bytes=fused.peak, predicted_step_s=seconds,
-                                   timelines={**plan.timelines, "inductor": fused},
+                                   timelines={**(plan.timelines or {}), "inductor": fused},
                                    baseline_step_s=max(0.0, seconds - (plan.predicted_step_s - plan.baseline_step_s)))
         return plan, fused
 

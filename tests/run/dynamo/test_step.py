@@ -193,3 +193,36 @@ def test_transformers_models_export_refuses_train_like_eager_below_eager(case):
     # safe, and close: a graph's outputs are counted until the step ends, though Python may drop one
     # sooner (DeBERTa's first graph returns a hidden state the loss code drops: +3%)
     assert max(p.predicted_peak_bytes for p in plans) <= 1.05 * measured
+
+
+def test_wav2vec2_ctc_with_layerdrop_and_masking_every_call_within_budget(monkeypatch):
+    """transformers' defaults (LayerDrop 0.1, time masking 0.05), below eager's peak with every layer running:
+    each call measured with a new MemTracker, the first included. The probe that learns the graphs keeps no
+    activations beyond the graph it runs (the first call held eager's whole forward before); each MemTracker's
+    global module hooks fail a Dynamo guard, so each call compiles its frames again, and past Dynamo's recompile
+    limit (1 here, 8 by default) a frame would run eagerly, unplanned."""
+    import numpy as np
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.Wav2Vec2ForCTC(transformers.Wav2Vec2Config(
+        vocab_size=32, conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3), num_feat_extract_layers=2,
+        num_hidden_layers=2, num_attention_heads=4, hidden_size=64, intermediate_size=128))
+    assert model.config.layerdrop > 0 and model.config.mask_time_prob > 0
+    model.train()
+    args, kwargs = (torch.randn(2, 1600),), {"labels": torch.randint(1, 32, (2, 20))}
+    np.random.seed(0)
+    torch.manual_seed(0)  # no layer dropped: eager's largest step
+    eager = measure_peak_bytes(copy.deepcopy(model), args, kwargs, warmup=False)
+    budget = int(0.7 * eager)
+    torch._dynamo.reset()
+    optimized = fxmem.optimize(model, budget_gb=budget / GIB, time_limit_s=1)
+    calls = []
+    for seed in range(3):
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+        calls.append(measure_peak_bytes(optimized, args, kwargs, warmup=False))
+    assert max(calls) <= budget, (calls, budget)
+    assert all(p.capture.startswith("Dynamo graph") for p in optimized.plans)

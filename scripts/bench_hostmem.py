@@ -18,9 +18,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_meta import add_shape_arguments  # noqa: E402 - the Llama shape's flags, as bench_meta reads them
 
 GIB = 2**30
 
@@ -43,12 +47,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--target", default="h100")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--layers", type=int, default=32, help="decoder layers (default 32, Llama-3-8B)")
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--intermediate", type=int, default=14336)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=128256)
+    add_shape_arguments(p)
     p.add_argument("--time-limit", type=float, default=10.0, help="solver seconds per plan (default 10)")
     p.add_argument("--host-gbps", type=float, help="the host update's rate in GB/s of parameters (default: measured)")
     p.add_argument("--fused", action="store_true", help="AdamW(fused=True): torch's fused CPU kernel on the host")

@@ -329,9 +329,10 @@ def _typed(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-def graph_fingerprint(gm: Any) -> str:
+def graph_fingerprint(gm: Any, shapes: bool = True) -> str:
     """Hash of (name, op, target, shape, dtype) over every node of an fx graph, the same in every
-    process: targets by qualified name (a function's repr holds its address)."""
+    process: targets by qualified name (a function's repr holds its address). Without `shapes`, equal for
+    the graphs of one step traced at other sizes (`fxmem.planner.shape_reuse`)."""
     from torch.fx.node import _get_qualified_name  # only when fingerprinting: plan files load without torch
 
     digest = hashlib.sha256()
@@ -340,5 +341,6 @@ def graph_fingerprint(gm: Any) -> str:
         val = node.meta.get("val")
         shape = tuple(getattr(val, "shape", ())) if val is not None else None
         dtype = str(getattr(val, "dtype", ""))
-        digest.update(f"{node.name}|{node.op}|{target}|{shape}|{dtype}\n".encode())
+        digest.update((f"{node.name}|{node.op}|{target}|{shape}|{dtype}\n" if shapes else
+                       f"{node.name}|{node.op}|{target}|{dtype}\n").encode())
     return digest.hexdigest()[:32]

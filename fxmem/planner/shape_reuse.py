@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch.fx
 
 from fxmem.planner.fitting import spend_slack
+from fxmem.planner.plan import graph_fingerprint
 from fxmem.solve.problem import repair
 from fxmem.solve.solution import Solution, make_solution
 
@@ -44,15 +45,8 @@ _CHUNKS: OrderedDict[str, tuple[str, int]] = OrderedDict()  # captured step -> (
 
 def structure_key(gm: torch.fx.GraphModule) -> str:
     """Hash of (name, op, target, dtype) over every node: equal for the graphs of one step traced at other
-    sizes (`fxmem.planner.plan.graph_fingerprint` without the shapes)."""
-    from torch.fx.node import _get_qualified_name
-
-    digest = hashlib.sha256()
-    for node in gm.graph.nodes:
-        target = node.target if isinstance(node.target, str) else _get_qualified_name(node.target)
-        dtype = str(getattr(node.meta.get("val"), "dtype", ""))
-        digest.update(f"{node.name}|{node.op}|{target}|{dtype}\n".encode())
-    return digest.hexdigest()[:32]
+    sizes."""
+    return graph_fingerprint(gm, shapes=False)
 
 
 def decision_key(gm: torch.fx.GraphModule, request: Any, extra: Any = None) -> str:

@@ -145,10 +145,7 @@ def test_pass_on_symbolic_trace_graph_equals_eager(chunks):
     loss = gm(ids, target)
     loss.backward()
     torch.testing.assert_close(loss, expected, **TOL)
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert (p.grad is None) == (q.grad is None), name
-        if p.grad is not None:
-            torch.testing.assert_close(p.grad, q.grad, **TOL, msg=lambda m: f"{name}: {m}")
+    _assert_grads_close(model, reference)
 
 
 class ShiftedLmHead(LmHead):

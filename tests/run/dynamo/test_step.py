@@ -201,27 +201,32 @@ def test_wav2vec2_ctc_with_layerdrop_and_masking_every_call_within_budget():
     activations beyond the graph it runs (the first call held eager's whole forward before); each MemTracker's
     global module hooks fail a Dynamo guard, so each call compiles its frames again, and past Dynamo's recompile
     limit (1 here, 8 by default) a frame would run eagerly, unplanned."""
-    import numpy as np
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = 1  # set and set back, never deleted: later tests of the worker read it
+    try:
+        import numpy as np
 
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    model = transformers.Wav2Vec2ForCTC(transformers.Wav2Vec2Config(
-        vocab_size=32, conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3), num_feat_extract_layers=2,
-        num_hidden_layers=2, num_attention_heads=4, hidden_size=64, intermediate_size=128))
-    assert model.config.layerdrop > 0 and model.config.mask_time_prob > 0
-    model.train()
-    args, kwargs = (torch.randn(2, 1600),), {"labels": torch.randint(1, 32, (2, 20))}
-    np.random.seed(0)
-    torch.manual_seed(0)  # no layer dropped: eager's largest step
-    eager = measure_peak_bytes(copy.deepcopy(model), args, kwargs, warmup=False)
-    budget = int(0.7 * eager)
-    torch._dynamo.reset()
-    optimized = fxmem.optimize(model, budget_gb=budget / GIB, time_limit_s=1)
-    calls = []
-    with torch._dynamo.config.patch(recompile_limit=1):  # patched, never deleted: later tests read it
+        transformers = pytest.importorskip("transformers")
+        torch.manual_seed(0)
+        model = transformers.Wav2Vec2ForCTC(transformers.Wav2Vec2Config(
+            vocab_size=32, conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3), num_feat_extract_layers=2,
+            num_hidden_layers=2, num_attention_heads=4, hidden_size=64, intermediate_size=128))
+        assert model.config.layerdrop > 0 and model.config.mask_time_prob > 0
+        model.train()
+        args, kwargs = (torch.randn(2, 1600),), {"labels": torch.randint(1, 32, (2, 20))}
+        np.random.seed(0)
+        torch.manual_seed(0)  # no layer dropped: eager's largest step
+        eager = measure_peak_bytes(copy.deepcopy(model), args, kwargs, warmup=False)
+        budget = int(0.7 * eager)
+        torch._dynamo.reset()
+        optimized = fxmem.optimize(model, budget_gb=budget / GIB, time_limit_s=1)
+        calls = []
         for seed in range(3):
             np.random.seed(seed)
             torch.manual_seed(seed)
             calls.append(measure_peak_bytes(optimized, args, kwargs, warmup=False))
-    assert max(calls) <= budget, (calls, budget)
-    assert all(p.capture.startswith("Dynamo graph") for p in optimized.plans)
+        assert max(calls) <= budget, (calls, budget)
+        assert all(p.capture.startswith("Dynamo graph") for p in optimized.plans)
+
+    finally:
+        torch._dynamo.config.recompile_limit = limit

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import logging
 import os
 import threading
@@ -173,6 +174,8 @@ def _refuse_dynamic_shapes(example_inputs: Sequence[Any]) -> None:
 def _counted(compiled: Callable[..., Any], record: GraphRecord) -> Callable[..., Any]:
     """`compiled`, counting its calls in `record` (`fxmem.run.dynamo.step` checks for graphs run twice a step)."""
     def run(*args: Any) -> Any:
+        if record.calls == 0:
+            _free_compile_garbage()
         record.calls += 1
         out = compiled(*args)
         if record.calls == 1:  # what it returns may stay alive while later graphs run (fxmem.run.dynamo.ledger)
@@ -182,6 +185,14 @@ def _counted(compiled: Callable[..., Any], record: GraphRecord) -> Callable[...,
 
     run._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
     return run
+
+
+def _free_compile_garbage() -> None:
+    """Collect the reference cycles Dynamo's compile of this frame left behind. Its tracer's frames hold the
+    frame's locals, real tensors (the step's activations) among them, until the garbage collector runs: on
+    the call that compiles, often the first, they would stay alive beside the graphs' own activations, above
+    the plan (7% on a Wav2Vec2-CTC step). The compile has returned when its graph first runs."""
+    gc.collect()
 
 
 def _where(gm: torch.fx.GraphModule, index: int, ledger: Ledger) -> str:

@@ -4,7 +4,8 @@ Reads a captured graph, its loss sites (`passes/chunked_loss.py`) and the reques
 step as it is (1 chunk) and, where that does not fit or fits only by recomputing more than the lm head
 costs, plans it with the loss in chunks (each a fresh copy of the graph rewritten by `chunk_loss`):
 where 1 chunk does not fit, the first of 8, 16, ... that fits (or the most worth making, once a count's least
-shows that fewer cannot fit), then half as many while that fits and is predicted faster (fewer ops); where no
+shows that fewer cannot fit), then half as many while that fits with the decision of the count before and is
+predicted faster (fewer ops); where no
 fewer count was faster, that plan recomputes more than the lm head costs (and, where 1 chunk fits, the loss
 region is a tenth of the budget or more), twice as many chunks, and twice again, while each count is predicted
 faster than half of it (more chunks free more, so less is recomputed), keeping the fastest. A budget below the
@@ -210,13 +211,16 @@ def _first_fitting(chunked: Callable[[int], tuple[Any, Any]], most: int, region:
 
 
 def _fewer_while_faster(chunked: Callable[[int], tuple[Any, Any]], fitting: tuple[Any, Any]) -> tuple[Any, Any]:
-    """From `fitting`, half its chunks, and half again, while each fits and is predicted faster (fewer chunks
-    are fewer ops, where what they free is not needed); the fastest."""
+    """From `fitting`, half its chunks, and half again, while each fits with the decision of the count before (its
+    slack spent, `shape_reuse.seeds_only`) and is predicted faster; the fastest. Fewer chunks save only their own
+    ops: a count that needs more recomputed than the count before is hardly ever faster, and is not solved (a
+    whole solve, most of a plan's time, for a few ops)."""
     best, chunks = fitting, fitting[0].loss_chunks // 2
     while chunks >= 2:
         try:
-            candidate = chunked(chunks)
-        except InfeasibleBudgetError:
+            with shape_reuse.seeds_only():
+                candidate = chunked(chunks)
+        except (InfeasibleBudgetError, shape_reuse.SeedDoesNotFit):
             break
         if candidate[0].predicted_step_s >= best[0].predicted_step_s:
             break

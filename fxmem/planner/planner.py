@@ -50,7 +50,7 @@ from fxmem.solve.problem import (
     saved_set,
 )
 from fxmem.planner.host_state import plan_with_host_state
-from fxmem.planner.shape_reuse import decision_key, keep_seed, remember, reused, seeded
+from fxmem.planner.shape_reuse import decision_key, keep_seed, remember, reused, seeded, unseeded
 from fxmem.planner.resident import refusal_with_resident, resident_parts, with_resident
 from fxmem.price.joint_problem import JointSplit, Lowered, allow_offload, build_problem, split_joint
 from fxmem.solve.recompute import least_peak, solve
@@ -292,8 +292,8 @@ class Planner:
                 simulate = lambda rec, off=frozenset(): self._candidate(joint, lowered, rec, off)  # noqa: E731
                 target = budget - self.margin.bytes_for(budget)
                 relax_s = max(RELAX_MIN_S, request.time_limit_s * RELAX_SHARE)
-                chosen, solution, min_budget = reused(key, fingerprint, lowered, simulate, target) or \
-                    seeded(lowered, simulate, target, relax_s) or self._fit_both(joint, lowered, split, budget)
+                found = reused(key, fingerprint, lowered, simulate, target) or seeded(lowered, simulate, target, relax_s)
+                chosen, solution, min_budget = found or unseeded() or self._fit_both(joint, lowered, split, budget)
                 remember(key, fingerprint, lowered.nodes, chosen.recompute, chosen.offloaded)
                 keep_seed(lowered.nodes, chosen.recompute)
             except InfeasibleBudgetError:

@@ -13,7 +13,8 @@ recompute more than a plan solved for the smaller shape would (its slack is not 
 The number of chunks the loss was computed in (`fxmem.planner.loss_chunks`) is kept the same way, under the
 captured graph's structure: a new shape plans that count first and searches only where it does not fit. Within
 one search over chunk counts (`one_step`), each count after the first starts from the decision of the count
-before (the blocks' nodes keep their names), its slack spent, and is solved afresh only where that does not fit.
+before (the blocks' nodes keep their names), its slack spent, and is solved afresh only where that does not fit;
+inside `seeds_only` it is not solved at all there (`SeedDoesNotFit`).
 
 Reads joint graphs and planner requests; writes nothing but the in-process memos (`MEMO_SIZE` entries each).
 """
@@ -41,6 +42,10 @@ MEMO_SIZE = 64
 _DECISIONS: OrderedDict[str, tuple[str, frozenset[str], frozenset[str]]] = OrderedDict()  # + the graph's fingerprint
 _step = threading.local()  # .seed: names the last plan of the step planned now recomputes (`one_step`)
 _CHUNKS: OrderedDict[str, tuple[str, int]] = OrderedDict()  # captured step -> (its fingerprint, the loss's chunk count)
+
+
+class SeedDoesNotFit(Exception):
+    """Inside `seeds_only`: the decision of the step's previous graph does not fit this one, which is not solved."""
 
 
 def structure_key(gm: torch.fx.GraphModule) -> str:
@@ -123,6 +128,23 @@ def one_step() -> Iterator[None]:
         yield
     finally:
         _step.seed = outer
+
+
+@contextlib.contextmanager
+def seeds_only() -> Iterator[None]:
+    """Inside `one_step`, plans made inside take the previous graph's decision (`seeded`) or raise
+    `SeedDoesNotFit`: for a graph whose plan can gain little over the one before (the loss in fewer chunks)."""
+    _step.only = True
+    try:
+        yield
+    finally:
+        _step.only = False
+
+
+def unseeded() -> None:
+    """Raise `SeedDoesNotFit` inside `seeds_only` (the planner calls this before solving afresh)."""
+    if getattr(_step, "only", False):
+        raise SeedDoesNotFit
 
 
 def keep_seed(nodes: Sequence[torch.fx.Node], recompute: frozenset[int]) -> None:

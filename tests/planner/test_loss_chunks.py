@@ -152,3 +152,27 @@ def test_a_loss_region_under_a_tenth_of_the_budget_is_not_chunked_where_the_step
     planned.clear()
     fxmem.plan(model, (), budget, example_kwargs=kwargs, keep_outputs=False, time_limit_s=2)
     assert len(planned) > 1
+
+
+def test_fewer_chunks_take_the_decision_of_the_count_above_or_are_not_solved():
+    """Halving the count (`_fewer_while_faster`) plans inside `shape_reuse.seeds_only`: a count the decision of
+    the count above does not fit is not solved afresh (the planner raises `SeedDoesNotFit`), and the search stops
+    at the count above."""
+    from types import SimpleNamespace
+
+    from fxmem.planner import shape_reuse
+    from fxmem.planner.loss_chunks import _fewer_while_faster
+
+    asked = []
+
+    def chunked(k: int):
+        asked.append((k, shape_reuse._step.__dict__.get("only", False)))
+        if k == 2:
+            shape_reuse.unseeded()  # what the planner does where the seed does not fit
+            raise AssertionError("solved afresh inside seeds_only")
+        return SimpleNamespace(loss_chunks=k, predicted_step_s={8: 9.0, 4: 8.0}[k]), None
+
+    with shape_reuse.one_step():
+        plan, _ = _fewer_while_faster(chunked, chunked(8))
+    assert plan.loss_chunks == 4 and asked == [(8, False), (4, True), (2, True)]
+    shape_reuse.unseeded()  # outside seeds_only: solving goes on

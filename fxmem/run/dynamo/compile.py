@@ -78,13 +78,14 @@ def settings_of(options: dict | None) -> CompileSettings:
 
 def open_ledger(key: Any, settings: CompileSettings, model: torch.nn.Module | None = None,
                 survey: list | None = None, model_name: str = "", shares: list | None = None,
-                runs: dict[int, int] | None = None) -> Ledger:
+                runs: dict[int, int] | None = None, eager: dict[int, int] | None = None,
+                tail: tuple[int | None, int] = (None, 0)) -> Ledger:
     """A new ledger for the compile call known by `key` (its options dict), told the model and the step's
     survey (`fxmem.run.dynamo.ledger.survey_step`), so other graphs' parameters and later graphs' gradients
     are known."""
     with _LOCK:
         ledger = Ledger(settings.budget_bytes, model=model, survey=survey, model_name=model_name, shares=shares,
-                        runs=dict(runs or {}))
+                        runs=dict(runs or {}), eager=dict(eager or {}), tail=tail)
         _LEDGERS.pop(id(key), None)  # the newest ledger last (plans_for by value finds it first)
         _LEDGERS[id(key)] = (key, ledger)
     return ledger

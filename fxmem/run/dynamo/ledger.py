@@ -114,6 +114,8 @@ class Ledger:
     records: list[GraphRecord] = field(default_factory=list)
     shares: Any = None  # the step's graphs at their least, when the budget is shared (fxmem.run.dynamo.shared_budget)
     runs: dict[int, int] = field(default_factory=dict)  # graph index -> calls a step makes of it, if not one
+    eager: dict[int, int] = field(default_factory=dict)  # graph index -> what eager code keeps as it runs
+    tail: tuple[int | None, int] = (None, 0)  # (the last graph, what the eager code after it adds in backward)
 
     def latest(self) -> list[GraphRecord]:
         """The newest record per frame (a recompilation of a frame replaces its entry)."""
@@ -146,9 +148,11 @@ class Ledger:
             for ref, ptr, nbytes in r.seen:
                 if ref() is not None and ptr not in own and ptr not in state:
                     alive[ptr] = nbytes
+        position = self.position(record)
         forward = sum(b for p, b in state.items() if p not in own) + sum(alive.values()) \
-            + (self.earlier_saved(record) if count_saved else 0)
-        return forward, forward + sum(self.later_grads(record).values())
+            + (self.earlier_saved(record) if count_saved else 0) + self.eager.get(position, 0)
+        tail = self.tail[1] if position == self.tail[0] else 0
+        return forward, forward + sum(self.later_grads(record).values()) + tail
 
     def earlier_saved(self, record: GraphRecord) -> int:
         """Bytes the graphs that run before `record`'s keep for their backward while it runs

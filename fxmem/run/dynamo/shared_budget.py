@@ -18,6 +18,7 @@ earlier runs keep; it keeps its least plan, so that every run of it fits.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -70,16 +71,23 @@ def need(peaks: Sequence[int], saved: Sequence[int], runs: Sequence[int] | None 
     return best, worst
 
 
-def shares_for(planners: Sequence[Any], budget: int) -> list[GraphShare] | None:
+def shares_for(planners: Sequence[Any], budget: int, eager_held: dict[int, int] | None = None,
+               tail: tuple[int | None, int] = (None, 0)) -> list[GraphShare] | None:
     """None when every graph keeping everything fits `budget` (nothing to share); otherwise the graphs
-    at their least, after checking the budget reaches what they need together."""
+    at their least, after checking the budget reaches what they need together. `eager_held`: per graph, what
+    the eager code before it keeps for backward; `tail`: the last graph, and what the eager code after it adds
+    at backward's start (`fxmem.run.dynamo.eager_held`), both beside each graph's peak."""
+    def extra(index: int) -> int:
+        return (eager_held or {}).get(index, 0) + (tail[1] if index == tail[0] else 0)
+
     eager = [p.plan for p in planners]
     margin = margin_for(eager[0].device)
     runs = [p.runs for p in planners]
-    if need([e.predicted_peak_bytes for e in eager], [e.saved_bytes for e in eager], runs)[0] \
-            + margin.bytes_for(budget) <= budget:
+    if need([e.predicted_peak_bytes + extra(p.record.index) for e, p in zip(eager, planners)],
+            [e.saved_bytes for e in eager], runs)[0] + margin.bytes_for(budget) <= budget:
         return None
     shares = [p.least() for p in planners]
+    shares = [dataclasses.replace(s, peak=s.peak + extra(s.index)) for s in shares]
     total, k = need([s.peak for s in shares], [s.saved for s in shares], runs)
     least = margin.least_budget(total)
     if budget < least:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -28,6 +29,7 @@ from fxmem.run.dynamo.compile import CompileSettings, compile_graph, ledger_for,
     plans_for, reset
 from fxmem.trace.capture import untouched
 from fxmem.errors import FxmemError, InfeasibleBudgetError, TraceError
+from fxmem.run.dynamo.eager_held import EagerHeld
 from fxmem.run.dynamo.shared_budget import shares_for
 from fxmem.run.planners import ProbePlanner, recording_planner
 from fxmem.run.dynamo.layer_loops import every_layer
@@ -41,33 +43,57 @@ RECOMPILE_LIMIT = 64
 
 
 def probe_step(model: torch.nn.Module, args: Sequence[Any], kwargs: dict, settings: CompileSettings, survey: list,
-               model_name: str) -> list[ProbePlanner]:
+               model_name: str) -> tuple[list[ProbePlanner], EagerHeld, int]:
     """Run one forward through Dynamo with the fxmem backend's requests, keep-all plans only: the
-    planner of each graph, in the order the step runs them."""
+    planner of each graph, in the order the step runs them; what the eager code between the graphs keeps for
+    its backward (`fxmem.run.dynamo.eager_held`) and the bytes the eager code after the last graph adds at
+    backward's start."""
     ledger = Ledger(0, model=model, survey=survey, model_name=model_name)
     planners: list[ProbePlanner] = []
+    held = EagerHeld()
+    held.exclude(list(model.parameters()) + list(model.buffers()))
+    cut: list[weakref.ref] = []  # the graphs' outputs as the eager code gets them, not kept alive
 
     def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         def planner_for(request, record):
             planners.append(ProbePlanner(dataclasses.replace(request, budget_bytes=None), ledger, record))
             return planners[-1]
-        return _cut(compile_graph(gm, example_inputs, settings, ledger, planner_for, count_saved=False))
+        compiled = compile_graph(gm, example_inputs, settings, ledger, planner_for, count_saved=False)
+        return _cut(compiled, planners[-1].record.index, held, cut)
 
     with untouched(model):
         out = torch.compile(model, backend=backend)(*args, **kwargs)
+        tail = _tail(out, held, cut)
     del out
-    return [p for p in planners if p.plan is not None]  # graphs without a backward are not planned
+    return [p for p in planners if p.plan is not None], held, tail  # graphs without a backward are not planned
 
 
-def _cut(compiled: Any) -> Any:
-    """`compiled`, its outputs cut from autograd (requiring gradients as they did): what it keeps for a backward
-    the probe never runs is freed as it returns, so the probe holds one graph's activations at a time (and the
-    tensors passed between graphs twice), not the whole forward's: the first call of a step holds no more than the
-    calls after it."""
+def _tail(out: Any, held: EagerHeld, cut: list[weakref.ref]) -> int:
+    """`EagerHeld.tail` of the probe's loss (0 where the step returns none: the caller computes it)."""
+    from fxmem.trace.loss import loss_of
+
+    try:
+        loss = loss_of(out)
+    except FxmemError:
+        return 0
+    if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
+        return 0
+    return held.tail(loss, [t for t in (ref() for ref in cut) if t is not None])
+
+
+def _cut(compiled: Any, index: int, held: EagerHeld, cut: list[weakref.ref]) -> Any:
+    """`compiled` (graph `index`), its outputs cut from autograd (requiring gradients as they did): what it keeps
+    for a backward the probe never runs is freed as it returns, so the probe holds one graph's activations at a
+    time (and the tensors passed between graphs twice), not the whole forward's: the first call of a step holds
+    no more than the calls after it. What its inputs' eager history saved is counted in `held` first."""
     def run(*args: Any) -> Any:
+        held.graph_called(index, args)
         out = compiled(*args)
-        return type(out)(o.detach().requires_grad_().clone() if isinstance(o, torch.Tensor) and o.requires_grad
+        outs = type(out)(o.detach().requires_grad_().clone() if isinstance(o, torch.Tensor) and o.requires_grad
                          else o for o in out)  # not a leaf: code between the graphs may write into it
+        held.exclude(outs)
+        cut.extend(weakref.ref(o) for o in outs if isinstance(o, torch.Tensor) and o.requires_grad)
+        return outs
 
     run._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
     return run
@@ -132,17 +158,18 @@ class DynamoStep:
         if ledger is None and torch.is_grad_enabled():  # the first step: learn which graphs use which parameters
             survey = survey_step(self.model, args, kwargs)  # and what each graph needs at least
             survey, added = every_layer(self.model, survey)  # with every layer of a LayerDrop loop running
-            probes = probe_step(self.model, args, kwargs, self.options, survey, self.name)
+            probes, held, tail = probe_step(self.model, args, kwargs, self.options, survey, self.name)
             for probe in probes:
                 probe.runs = probe.record.calls + added.get(frozenset(probe.record.grads), 0)
             try:
-                shares = shares_for(probes, self.options.budget_bytes)
+                shares = shares_for(probes, self.options.budget_bytes, held.at_graph, (held.last, tail))
             except InfeasibleBudgetError as exc:
                 if not self.resident:
                     raise
                 raise refusal_with_resident(exc, self.resident, self.budget) from None
             ledger = open_ledger(self.options, self.options, self.model, survey, self.name, shares,
-                                 {p.record.index: p.runs for p in probes if p.runs > 1})
+                                 {p.record.index: p.runs for p in probes if p.runs > 1}, held.at_graph,
+                                 (held.last, tail))
         before = [r.calls for r in ledger.records] if ledger is not None else []
         try:
             out = self.compiled(*args, **kwargs)

@@ -78,7 +78,9 @@ def test_later_graphs_gradients_are_held_during_earlier_backward():
     head = model.emb.weight.numel() * 4 + sum(p.numel() * 4 for p in model.second.parameters())
     forward, backward = first.held
     assert backward - forward == head  # the tied weight's and the second MLP's gradients
-    assert second.held[1] == second.held[0]  # nothing runs backward before the last graph
+    # nothing runs backward before the last graph but the loss's own gradient, a float32 scalar (the eager
+    # code after the last graph, here none, would add what it saved and allocates: fxmem.run.dynamo.eager_held)
+    assert second.held[1] - second.held[0] == ledger.tail[1] == 4
     assert second.held[0] >= first.saved_bytes  # the first graph's saved values, while the second runs
 
 

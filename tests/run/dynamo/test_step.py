@@ -195,10 +195,14 @@ def test_transformers_models_export_refuses_train_like_eager_below_eager(case):
     assert max(p.predicted_peak_bytes for p in plans) <= 1.05 * measured
 
 
-def test_wav2vec2_ctc_with_layerdrop_and_masking_every_call_within_budget():
+@pytest.mark.parametrize("fraction", [0.7, 0.8])
+def test_wav2vec2_ctc_with_layerdrop_and_masking_every_call_within_budget(fraction):
     """transformers' defaults (LayerDrop 0.1, time masking 0.05), below eager's peak with every layer running:
     each call measured with a new MemTracker, the first included. The probe that learns the graphs keeps no
-    activations beyond the graph it runs (the first call held eager's whole forward before); each MemTracker's
+    activations beyond the graph it runs (the first call held eager's whole forward before); Dynamo's compile
+    garbage, which held real activations, is collected before each new graph runs (the first call measured 7%
+    over at 0.7, after other tests); what the eager code between the graphs (the CTC loss, after a
+    data-dependent `masked_select`) keeps for backward is counted (0.8% over at 0.8 before); each MemTracker's
     global module hooks fail a Dynamo guard, so each call compiles its frames again, and past Dynamo's recompile
     limit (1 here, 8 by default) a frame would run eagerly, unplanned."""
     limit = torch._dynamo.config.recompile_limit
@@ -217,7 +221,7 @@ def test_wav2vec2_ctc_with_layerdrop_and_masking_every_call_within_budget():
         np.random.seed(0)
         torch.manual_seed(0)  # no layer dropped: eager's largest step
         eager = measure_peak_bytes(copy.deepcopy(model), args, kwargs, warmup=False)
-        budget = int(0.7 * eager)
+        budget = int(fraction * eager)
         torch._dynamo.reset()
         optimized = fxmem.optimize(model, budget_gb=budget / GIB, time_limit_s=1)
         calls = []

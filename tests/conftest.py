@@ -24,8 +24,10 @@ os.environ["FXMEM_CACHE"] = "0"
 def _no_decisions_kept():
     """Nor does a test inherit the decisions an earlier one kept for other shapes (fxmem.planner.shape_reuse)."""
     from fxmem.planner import shape_reuse
+    from fxmem.run.dynamo import step_least
 
     shape_reuse.forget()
+    step_least.forget()  # nor the least a refused torch.compile step kept for its next compile
     yield
 
 

@@ -296,8 +296,6 @@ def test_plans_for_finds_the_plans_by_an_equal_options_dict():
     assert plans_for({"budget_gb": 2.0, "inner": "aot_eager"}) == []
 
 
-@pytest.mark.xfail(strict=True, reason="a step of several graphs is refused graph by graph: the least the first "
-                   "refusal names counts the first graph alone, and the next compile is refused by the loss's graph")
 def test_the_least_a_refusal_prints_is_accepted_by_the_next_compile_and_met_on_every_call(tmp_path, monkeypatch):
     """A transformers GPT-2 (`labels=`) under `torch.compile(backend="fxmem")`: the budget the refusal tells the
     user to raise to, as printed, compiles; every call, the first included, measures within it, and the

@@ -6,7 +6,8 @@ in one place: what each adds to planning one graph.
 - `ProbePlanner` (a step Dynamo splits, its first forward): each graph's keep-all plan and joint, so its
   least is searched only where keeping everything does not fit (`fxmem.run.dynamo.shared_budget`).
 - `RecordingPlanner` (the `torch.compile` backend and the engine's Dynamo path): records each graph's plan
-  in the compile call's ledger, keeping to its share of the budget; writes it to `plan_out` when asked.
+  in the compile call's ledger, keeping to its share of the budget; writes it to `plan_out` when asked; on the
+  backend's own path, a refusal waits for the graph that ends the frame (`fxmem.run.dynamo.step_least`).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from fxmem.errors import GIB, InfeasibleBudgetError
 from fxmem.planner.plan import graph_fingerprint
 from fxmem.planner.planner import Planner, PlanRequest
 from fxmem.run.dynamo.compile import CompileSettings
+from fxmem.run.dynamo import step_least
 from fxmem.run.dynamo.ledger import GraphRecord, Ledger
 from fxmem.run.dynamo.shared_budget import GraphShare, least_plan, saved_cap
 from fxmem.run.joint_cache import keep
@@ -84,10 +86,13 @@ class RecordingPlanner(Planner):
         """The plan for the budget; where the step's graphs share it (`fxmem.run.dynamo.shared_budget`), one that
         keeps no more for backward than leaves every later graph room for its least plan (the budget
         tightened until it does, else this graph's least plan)."""
+        self.joint, self.fingerprint = joint, fingerprint  # for its least, asked when the frame ends (step_least)
         shares = self.ledger.shares
         index = self.ledger.position(self.record)  # a recompiled frame: the graph it replaces
+        if not shares and index == 0 and self.ledger.survey is None:  # this step refused before: its shares
+            shares = self.ledger.shares = step_least.remembered(fingerprint, self.settings, self.request.budget_bytes)
         if not shares or index >= len(shares):
-            return super()._make_plan(joint, fingerprint)
+            return self._alone(joint, fingerprint)
         budget, earlier = self.request.budget_bytes, self.ledger.earlier_saved(self.record)
         least = shares[index]
         if least.plan.fingerprint != fingerprint:  # recompiled (its inputs in another order): its own least
@@ -114,6 +119,23 @@ class RecordingPlanner(Planner):
         log.info("fxmem: %s keeps its least plan, so that the graphs after it fit", asked.capture)
         return dataclasses.replace(least.plan, budget_bytes=budget, predicted_peak_bytes=least.peak + earlier,
                                    capture=asked.capture)
+
+    def _alone(self, joint, fingerprint):
+        """The plan for the budget with no shares known; on the backend's own path a graph whose least is above it
+        and that more graphs follow is planned at its least, and the graph that ends the frame settles the step
+        (`fxmem.run.dynamo.step_least`)."""
+        self.record.planner = self
+        try:
+            plan = super()._make_plan(joint, fingerprint)
+        except InfeasibleBudgetError:
+            if not (step_least.waits(self.ledger, self.record) or step_least.pending(self.ledger, self.record)):
+                raise
+            self.record.refused = True
+            plan, _ = least_plan(self, joint, fingerprint)
+            plan = dataclasses.replace(plan, budget_bytes=self.request.budget_bytes)
+        if step_least.pending(self.ledger, self.record) or (self.record.refused and not self.record.breaks):
+            step_least.settle(self.ledger, self.record, self.settings)
+        return plan
 
     def __call__(self, joint, joint_inputs, **kwargs):
         fw, bw = super().__call__(joint, joint_inputs, **kwargs)

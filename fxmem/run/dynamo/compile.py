@@ -138,6 +138,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], setti
     frame = _frame_id()
     index = len(ledger.records)
     record = GraphRecord.of(index, frame, budget, example_inputs, _sources(gm))
+    record.breaks = bool(getattr(getattr(gm, "compile_subgraph_reason", None), "graph_break", False))
     record.held = ledger.held_for(record, count_saved)
     device = settings.device or _input_device(example_inputs)
     request = PlanRequest(budget_bytes=budget, held_bytes=record.held, replay_random=replays_random(inner),

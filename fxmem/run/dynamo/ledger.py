@@ -55,6 +55,9 @@ class GraphRecord:
     plan: Plan | None = None
     path: str | None = None
     calls: int = 0  # forward calls of this graph so far (a loop with a graph break calls one graph per layer)
+    breaks: bool = False  # Dynamo ended it at a graph break: more graphs of its frame follow
+    planner: Any = None  # the planner that planned it (its joint graph kept: `fxmem.run.dynamo.step_least`)
+    refused: bool = False  # the budget was below its least: planned at its least, refused with the step's
 
     @classmethod
     def of(cls, index: int, frame: Any, budget: int, example_inputs: Sequence[Any],

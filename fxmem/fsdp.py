@@ -33,6 +33,7 @@ from fxmem.trace.loss import Boundary
 from fxmem.trace.meta_device import is_meta_model
 from fxmem.price.optimizer_state import bytes_per_param_byte
 from fxmem.planner.plan import Plan
+from fxmem.run import joint_cache
 
 MAX_ROUNDS = 5  # block budgets tried per plan (each one a block plan and a simulated rank step)
 CLOSE = 0.01    # a plan within 1% below the budget is taken
@@ -219,9 +220,8 @@ def rank_peak(model: torch.nn.Module, inputs: Sequence[Any], kwargs: dict | None
     """One rank's step peak (MemTracker, fake process group, a copy of `model`), optimizer state included.
     With `fake` (the default) the copy, its inputs and the whole step are fake tensors (`fxmem.dist.fsdp_fake`;
     `device`: the `DeviceSpec` a meta model is planned for); otherwise a real copy runs one real step."""
-    with fake_group(plan.world_size) as mesh, (fake_copy(model, inputs, kwargs, device) if fake else
-                                               contextlib.nullcontext((copy.deepcopy(model), inputs, kwargs))) \
-            as (model, inputs, kwargs):
+    copied = fake_copy(model, inputs, kwargs, device) if fake else contextlib.nullcontext((copy.deepcopy(model), inputs, kwargs))
+    with joint_cache.forgotten_after(), fake_group(plan.world_size) as mesh, copied as (model, inputs, kwargs):
         sharded = shard(model, mesh, plan)
         step = measure_peak_bytes(sharded, inputs, kwargs) + keyword_input_bytes(inputs, kwargs)
         parts = rank_parts(sharded_bytes(sharded), unit_bytes(sharded, plan.blocks), plan.world_size,

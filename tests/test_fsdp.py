@@ -210,8 +210,11 @@ def _rank(rank: int, port: int, plans: dict, out_dir: str) -> None:
         seconds = time.perf_counter() - began  # planned (fxmem.optimize) or sharded (shard)
         opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, sharded)]
         grads_equal = True
-        # the root's loss in chunks sums the same terms in another order: equal to float reassociation
-        same = torch.equal if '"root_plan": null' in plan else lambda a, b: torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+        # the root's loss in chunks sums the same terms in another order: gradients equal to float reassociation;
+        # AdamW divides by their root mean square, so three steps at lr 1e-2 move parameters apart by ~1e-5
+        exact = '"root_plan": null' in plan
+        same = torch.equal if exact else lambda a, b: torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+        near = torch.equal if exact else lambda a, b: torch.allclose(a, b, rtol=0, atol=1e-4)
         for step in range(3):
             for m in (ref, sharded):
                 loss_of(m(*args, **kwargs)).backward()
@@ -221,7 +224,7 @@ def _rank(rank: int, port: int, plans: dict, out_dir: str) -> None:
             for opt in opts:
                 opt.step()
                 opt.zero_grad()
-        params_equal = all(same(p.full_tensor(), q) for p, q in zip(sharded.parameters(), ref.parameters()))
+        params_equal = all(near(p.full_tensor(), q) for p, q in zip(sharded.parameters(), ref.parameters()))
         tracker = MemTracker()
         tracker.track_external(sharded, opts[1], *args, *kwargs.values())
         with tracker:  # the outputs held until backward ends, as in a training loop (and fxmem.measure)

@@ -128,27 +128,22 @@ def test_rank_zeros_refusal_is_raised_on_every_rank_as_there():
     assert "\n" not in str(err.value)
 
 
-def test_fake_rank_equals_real_rank():
+def test_fake_rank_equals_real_rank(planned):
     """The rank simulated on fake tensors (and for the model built on the meta device) holds what the same rank
-    on real tensors holds, to the byte (MemTracker both): eager blocks, torch's checkpoint on every block, and
-    fxmem's block plan in every block with the root's loss in chunks."""
-    from fxmem import api
-    from fxmem.fsdp import block_io, block_list, plan_root, quiet, rank_peak
+    on real tensors holds, to the byte (MemTracker both): the GPT with eager blocks and with torch's checkpoint
+    on every block, and the Llama with fxmem's block plan in every block and the root's loss in chunks."""
+    from fxmem.fsdp import block_list, rank_peak
     model, args, kwargs = gpt_case()
     with torch.device("meta"):
         meta = gpt_case()[0]
-    path, units = block_list(model)
-    block_args, block_kwargs, hidden = block_io(model, path, args, kwargs)
-    with quiet():
-        block_plan = api.plan(units[0], block_args, example_kwargs=block_kwargs, model_loss=False, policy="whole-step")
-    root_plan = plan_root(model, path, hidden, args, kwargs, None)
-    assert root_plan["loss_chunks"] > 1
-    for plan in (FsdpPlan(WORLD, path, True, None, 0), FsdpPlan(WORLD, path, True, None, 0, checkpoint_blocks=True),
-                 FsdpPlan(WORLD, path, True, None, 0, block_plan=block_plan.to_dict(), root_plan=root_plan)):
+    path = block_list(model)[0]
+    for plan in (FsdpPlan(WORLD, path, True, None, 0), FsdpPlan(WORLD, path, True, None, 0, checkpoint_blocks=True)):
         real = rank_peak(model, args, kwargs, plan, "adamw", fake=False)
-        assert rank_peak(model, args, kwargs, plan, "adamw") == real
-        if plan.block_plan is None:
-            assert rank_peak(meta, args, kwargs, plan, "adamw") == real
+        assert rank_peak(model, args, kwargs, plan, "adamw") == real == rank_peak(meta, args, kwargs, plan, "adamw")
+    model, args, kwargs = llama_case()
+    plan = planned["llama:full"]
+    assert plan.block_plan is not None and plan.root().loss_chunks > 1
+    assert rank_peak(model, args, kwargs, plan, "adamw", fake=False)[0] == plan.predicted_peak_bytes
 
 
 def test_root_tail_is_the_model_after_its_last_block():

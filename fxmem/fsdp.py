@@ -5,7 +5,9 @@ Reads an unsharded model, its example inputs and a world size; writes nothing (a
 step under torch's fake process group (one process, no communication: every collective returns
 buffers of the right size) on fake tensors (`fxmem.dist.fsdp_fake`: no weights needed, a meta model works),
 metered by MemTracker; `shard` applies FSDP2 as torchtitan does (every block,
-then the root) with the block plan's compiled step installed in every block (`docs/fsdp.md`). Both serve
+then the root) with the block plan's compiled step installed in every block and, where the plan has one,
+the root's planned step after the last block (final norm, head, loss in chunks: `fxmem.dist.fsdp_root`;
+`docs/fsdp.md`). Both serve
 offline plans; inside a job, `fxmem.optimize(model, budget_gb=..., mesh=mesh)` (`fxmem.ranks`) plans with
 `plan_fsdp` on rank 0 and shards every rank with `shard`.
 """
@@ -120,7 +122,7 @@ def shard(model: torch.nn.Module, mesh: Any, plan: FsdpPlan | None = None, block
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
         if block_plan is not None:
             first = _install(block, cls, block_plan, first)
-    if plan is not None and plan.root_plan is not None:  # the root's forward hands its last block's output to
+    if plan is not None and plan.root_plan is not None:  # after the last block, the root's planned step runs
         root = plan.root()
         keep = {"keep_outputs": False} if root.loss == Boundary("field").text(keep_outputs=False) else {}
         run_tail(model, blocks, api.optimize(RootTail(model, blocks), plan=root, **keep))
@@ -382,7 +384,7 @@ def plan_root(model: torch.nn.Module, path: str, hidden: Any, inputs: Sequence[A
     last block that returns no tensor, a model whose output has no loss: nothing to chunk)."""
     if not isinstance(hidden, torch.Tensor):
         return None
-    tail, args, least = RootTail(model, path), (hidden, *inputs), 1
+    tail, args = RootTail(model, path), (hidden, *inputs)
     options = {"example_kwargs": kwargs, "target": spec, "keep_outputs": False}  # transformers' logits: left out
     try:
         try:  # a budget below any plan's: the refusal names the least
@@ -392,9 +394,13 @@ def plan_root(model: torch.nn.Module, path: str, hidden: Any, inputs: Sequence[A
                 raise
             del options["keep_outputs"]
             api.plan(tail, args, 1 / 2**30, **options)
+        return None  # a plan under one byte: nothing to plan
     except InfeasibleBudgetError as exc:
         least = exc.min_budget_bytes
     except FxmemError:
         return None
-    root = api.plan(tail, args, least / 2**30, **options)
+    try:
+        root = api.plan(tail, args, least / 2**30, **options)
+    except FxmemError:  # the least named, not met again (a solver stopped by its time limit): the root stays eager
+        return None
     return root.to_dict() if root.loss_chunks > 1 else None

@@ -275,7 +275,7 @@ def unit_bytes(model: torch.nn.Module, blocks: str) -> tuple[int, list[int]]:
 def plan_fsdp(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: float | None = None, *,
               world_size: int, example_kwargs: dict | None = None, optimizer: Any = None, blocks: str | None = None,
               reshard_after_forward: bool = True, time_limit_s: float = 10.0, rounds: int = MAX_ROUNDS,
-              target: Any = None) -> FsdpPlan:
+              target: Any = None, root: bool = True) -> FsdpPlan:
     """Plan one rank of an FSDP2 job of `world_size` ranks under `budget_gb` per rank. The rank runs
     eagerly where that fits; otherwise the root's step after the blocks (norm, head, loss) runs fxmem's
     plan at its least (the loss in chunks) where the simulated rank holds less with it, and where the rank
@@ -283,7 +283,9 @@ def plan_fsdp(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget
     the rank's simulated peak fit (at most `rounds` block budgets, each one block plan and one simulated step).
     `model` is unsharded, on the CPU or the meta device (built under `torch.device("meta")`: no weights; the
     rank is simulated on fake tensors either way); `target`: the device (`DeviceSpec` or preset name) the
-    block plans are priced for, default the CPU. Call before any process group exists (or offline) and
+    block plans are priced for, default the CPU. `root=False` keeps the root eager (a transformers model
+    then returns its logits beside the loss, which the planned root leaves out). Call before any process
+    group exists (or offline) and
     give the plan to every rank (`FsdpPlan.save` / `load`), so every rank runs the same one."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -299,7 +301,7 @@ def plan_fsdp(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget
     if budget is None or eager <= budget:
         return plan
     args, kw, hidden = block_io(model, path, example_inputs, example_kwargs, spec)
-    root_plan, base = plan_root(model, path, hidden, example_inputs, example_kwargs, spec), eager
+    root_plan, base = plan_root(model, path, hidden, example_inputs, example_kwargs, spec) if root else None, eager
     if root_plan is not None:  # the rank simulated with it, taken where it holds less than the eager root
         rooted = replace(plan, root_plan=root_plan)
         rooted = _with(rooted, *simulate(rooted), None, eager)

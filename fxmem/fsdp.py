@@ -5,7 +5,9 @@ Reads an unsharded model, its example inputs and a world size; writes nothing (a
 step under torch's fake process group (one process, no communication: every collective returns
 buffers of the right size) on fake tensors (`fxmem.dist.fsdp_fake`: no weights needed, a meta model works),
 metered by MemTracker; `shard` applies FSDP2 as torchtitan does (every block,
-then the root) with the block plan's compiled step installed in every block (`docs/fsdp.md`). Both serve
+then the root) with the block plan's compiled step installed in every block and, where the plan has one,
+the root's planned step after the last block (final norm, head, loss in chunks: `fxmem.dist.fsdp_root`;
+`docs/fsdp.md`). Both serve
 offline plans; inside a job, `fxmem.optimize(model, budget_gb=..., mesh=mesh)` (`fxmem.ranks`) plans with
 `plan_fsdp` on rank 0 and shards every rank with `shard`.
 """
@@ -27,10 +29,13 @@ from fxmem.budget import budget_bytes as to_bytes
 from fxmem.errors import FxmemError, InfeasibleBudgetError, fmt_bytes
 from fxmem.dist.fsdp_fake import fake_copy
 from fxmem.dist.fsdp_memory import RankParts, rank_parts
+from fxmem.dist.fsdp_root import RootTail, run_tail
 from fxmem.measure import measure_peak_bytes
+from fxmem.trace.loss import Boundary
 from fxmem.trace.meta_device import is_meta_model
 from fxmem.price.optimizer_state import bytes_per_param_byte
 from fxmem.planner.plan import Plan
+from fxmem.run import joint_cache
 
 MAX_ROUNDS = 5  # block budgets tried per plan (each one a block plan and a simulated rank step)
 CLOSE = 0.01    # a plan within 1% below the budget is taken
@@ -48,6 +53,10 @@ class FsdpPlan:
     block_plan: dict | None = None
     eager_peak_bytes: int = 0     # the same rank with eager blocks (FSDP2 alone)
     checkpoint_blocks: bool = False  # torch's checkpoint on every block (where no fxmem block plan fits)
+    root_plan: dict | None = None  # the root's step after the blocks (norm, head, loss); None: eager
+
+    def root(self) -> Plan | None:
+        return None if self.root_plan is None else Plan.from_dict(self.root_plan, source="FsdpPlan.root_plan")
 
     def block(self) -> Plan | None:
         return None if self.block_plan is None else Plan.from_dict(self.block_plan, source="FsdpPlan.block_plan")
@@ -63,6 +72,9 @@ class FsdpPlan:
         block = self.block()
         rows.append(("block step", "torch checkpoint on every block" if self.checkpoint_blocks else "eager"
                      if block is None else f"fxmem plan, {block.extra_flops_pct:.1f}% extra FLOPs in each block"))
+        root = self.root()
+        rows.append(("root after the blocks", "eager" if root is None else "fxmem plan, loss in "
+                     f"{root.loss_chunks} chunk{'s' * (root.loss_chunks > 1)}, {root.extra_flops_pct:.1f}% extra FLOPs"))
         from tabulate import tabulate
         return tabulate(rows, tablefmt="plain")
 
@@ -110,6 +122,10 @@ def shard(model: torch.nn.Module, mesh: Any, plan: FsdpPlan | None = None, block
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
         if block_plan is not None:
             first = _install(block, cls, block_plan, first)
+    if plan is not None and plan.root_plan is not None:  # after the last block, the root's planned step runs
+        root = plan.root()
+        keep = {"keep_outputs": False} if root.loss == Boundary("field").text(keep_outputs=False) else {}
+        run_tail(model, blocks, api.optimize(RootTail(model, blocks), plan=root, **keep))
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
     return model
 
@@ -145,27 +161,36 @@ def block_inputs(model: torch.nn.Module, path: str, inputs: Sequence[Any], kwarg
     """The first block's arguments in a forward of `model` on the example inputs, copied; the first (the
     hidden state) requires grad, as a block's input does in training. A meta model runs its forward on
     fakes (`fxmem.dist.fsdp_fake`, `device` as there) and its block's arguments are meta tensors."""
+    return block_io(model, path, inputs, kwargs, device)[:2]
+
+
+def block_io(model: torch.nn.Module, path: str, inputs: Sequence[Any], kwargs: dict | None,
+             device: Any = None) -> tuple[tuple, dict, Any]:
+    """`block_inputs`, and the last block's output (the root's tail's input) copied the same way."""
     seen: list = []
     meta = is_meta_model(model)
     with fake_copy(model, inputs, kwargs, device) if meta else contextlib.nullcontext((model, inputs, kwargs)) \
             as (run, run_inputs, run_kwargs):
-        first = run.get_submodule(path)[0]
-        handle = first.register_forward_pre_hook(lambda _, a, k: seen.append((a, k)) or None, with_kwargs=True)
+        units = run.get_submodule(path)
+        handles = [units[0].register_forward_pre_hook(lambda _, a, k: seen.append((a, k)) or None, with_kwargs=True),
+                   units[-1].register_forward_hook(lambda _, a, out: seen.append(((out,), {})) or None)]
         try:
             with torch.no_grad():
                 run(*run_inputs, **(run_kwargs or {}))
         finally:
-            handle.remove()
-    args, kw = seen[0]
+            for handle in handles:
+                handle.remove()
+    (args, kw), ((last,), _) = seen[0], seen[-1]
 
     def prepare(x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
             return x
         return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta") if meta else x.detach().clone()
-    args, kw = torch.utils._pytree.tree_map(prepare, (tuple(args), dict(kw)))
-    if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
-        args[0].requires_grad_(True)  # the hidden state: the block's gradient flows back through it
-    return args, kw
+    args, kw, last = torch.utils._pytree.tree_map(prepare, (tuple(args), dict(kw), last))
+    for hidden in (args[0] if args else None, last):
+        if isinstance(hidden, torch.Tensor) and hidden.is_floating_point():
+            hidden.requires_grad_(True)  # the hidden state: the block's gradient flows back through it
+    return args, kw, last
 
 
 @contextlib.contextmanager
@@ -197,9 +222,8 @@ def rank_peak(model: torch.nn.Module, inputs: Sequence[Any], kwargs: dict | None
     """One rank's step peak (MemTracker, fake process group, a copy of `model`), optimizer state included.
     With `fake` (the default) the copy, its inputs and the whole step are fake tensors (`fxmem.dist.fsdp_fake`;
     `device`: the `DeviceSpec` a meta model is planned for); otherwise a real copy runs one real step."""
-    with fake_group(plan.world_size) as mesh, (fake_copy(model, inputs, kwargs, device) if fake else
-                                               contextlib.nullcontext((copy.deepcopy(model), inputs, kwargs))) \
-            as (model, inputs, kwargs):
+    copied = fake_copy(model, inputs, kwargs, device) if fake else contextlib.nullcontext((copy.deepcopy(model), inputs, kwargs))
+    with joint_cache.forgotten_after(), fake_group(plan.world_size) as mesh, copied as (model, inputs, kwargs):
         sharded = shard(model, mesh, plan)
         step = measure_peak_bytes(sharded, inputs, kwargs) + keyword_input_bytes(inputs, kwargs)
         parts = rank_parts(sharded_bytes(sharded), unit_bytes(sharded, plan.blocks), plan.world_size,
@@ -251,14 +275,17 @@ def unit_bytes(model: torch.nn.Module, blocks: str) -> tuple[int, list[int]]:
 def plan_fsdp(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: float | None = None, *,
               world_size: int, example_kwargs: dict | None = None, optimizer: Any = None, blocks: str | None = None,
               reshard_after_forward: bool = True, time_limit_s: float = 10.0, rounds: int = MAX_ROUNDS,
-              target: Any = None) -> FsdpPlan:
-    """Plan one rank of an FSDP2 job of `world_size` ranks under `budget_gb` per rank. The blocks run
-    eagerly where that fits; otherwise every block runs one fxmem block plan, planned under the block
-    budget that makes the rank's simulated peak fit (at most `rounds` block budgets, each one block plan
-    and one simulated step).
+              target: Any = None, root: bool = True) -> FsdpPlan:
+    """Plan one rank of an FSDP2 job of `world_size` ranks under `budget_gb` per rank. The rank runs
+    eagerly where that fits; otherwise the root's step after the blocks (norm, head, loss) runs fxmem's
+    plan at its least (the loss in chunks) where the simulated rank holds less with it, and where the rank
+    still does not fit, every block runs one fxmem block plan, planned under the block budget that makes
+    the rank's simulated peak fit (at most `rounds` block budgets, each one block plan and one simulated step).
     `model` is unsharded, on the CPU or the meta device (built under `torch.device("meta")`: no weights; the
     rank is simulated on fake tensors either way); `target`: the device (`DeviceSpec` or preset name) the
-    block plans are priced for, default the CPU. Call before any process group exists (or offline) and
+    block plans are priced for, default the CPU. `root=False` keeps the root eager (a transformers model
+    then returns its logits beside the loss, which the planned root leaves out). Call before any process
+    group exists (or offline) and
     give the plan to every rank (`FsdpPlan.save` / `load`), so every rank runs the same one."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -273,13 +300,20 @@ def plan_fsdp(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget
     plan = _with(plan, eager, parts, None, eager)
     if budget is None or eager <= budget:
         return plan
-    args, kw = block_inputs(model, path, example_inputs, example_kwargs, spec)
+    args, kw, hidden = block_io(model, path, example_inputs, example_kwargs, spec)
+    root_plan, base = plan_root(model, path, hidden, example_inputs, example_kwargs, spec) if root else None, eager
+    if root_plan is not None:  # the rank simulated with it, taken where it holds less than the eager root
+        rooted = replace(plan, root_plan=root_plan)
+        rooted = _with(rooted, *simulate(rooted), None, eager)
+        if rooted.predicted_peak_bytes <= budget:
+            return rooted
+        root_plan, base = (root_plan, rooted.predicted_peak_bytes) if rooted.predicted_peak_bytes < eager else (None, eager)
     block = units[0]
     with quiet():
         keep = api.plan(block, args, example_kwargs=kw, model_loss=False, target=spec)
-    points = [(keep.predicted_peak_bytes, eager)]  # (block peak, rank peak); keep-all ~ eager blocks
+    points = [(keep.predicted_peak_bytes, base)]  # (block peak, rank peak); keep-all ~ eager blocks
     tried: dict[tuple, FsdpPlan] = {}  # block plan -> the rank it gives (another budget may give the same plan)
-    target, best, best_at, over_at, least, last = keep.predicted_peak_bytes - (eager - budget), None, 0, \
+    target, best, best_at, over_at, least, last = keep.predicted_peak_bytes - (base - budget), None, 0, \
         keep.predicted_peak_bytes, 0, None
     for _ in range(rounds):
         target = int(max(target, least, 1))  # below the least, the block planner names the least
@@ -295,7 +329,8 @@ def plan_fsdp(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget
         if key in tried or best is not None and at <= best_at:
             break  # a decision met before, or one below the best that fits: the search has settled
         if key not in tried:
-            trial = FsdpPlan(world_size, path, reshard_after_forward, budget, 0, block_plan=block_plan.to_dict())
+            trial = FsdpPlan(world_size, path, reshard_after_forward, budget, 0, block_plan=block_plan.to_dict(),
+                             root_plan=root_plan)
             tried[key] = _with(trial, *simulate(trial),
                                block_plan.to_dict(), eager)
         last = tried[key]
@@ -313,10 +348,11 @@ def plan_fsdp(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget
     if best is None:  # the block plan that saves least for backward, then torch's checkpoint on every block
         with quiet():
             whole = api.plan(block, args, example_kwargs=kw, model_loss=False, target=spec, policy="whole-step")
-        trial = FsdpPlan(world_size, path, reshard_after_forward, budget, 0, block_plan=whole.to_dict())
+        trial = FsdpPlan(world_size, path, reshard_after_forward, budget, 0, block_plan=whole.to_dict(),
+                         root_plan=root_plan)
         whole_rank = _with(trial, *simulate(trial), whole.to_dict(), eager)
-        full = FsdpPlan(world_size, path, reshard_after_forward, budget, 0, checkpoint_blocks=True)
-        full = replace(_with(full, *simulate(full), None, eager), checkpoint_blocks=True)
+        full = FsdpPlan(world_size, path, reshard_after_forward, budget, 0, checkpoint_blocks=True, root_plan=root_plan)
+        full = _with(full, *simulate(full), None, eager)
         tried_all = [whole_rank, full] + ([last] if last else [])
         lowest = min(tried_all, key=lambda p: p.predicted_peak_bytes)
         fitting = [p for p in tried_all[:2] if p.predicted_peak_bytes <= budget]
@@ -339,5 +375,34 @@ def _next_target(points: list[tuple[int, int]], budget: int, low: int, high: int
 
 
 def _with(plan: FsdpPlan, peak: int, parts: RankParts, block_plan: dict | None, eager: int = 0) -> FsdpPlan:
-    return FsdpPlan(plan.world_size, plan.blocks, plan.reshard_after_forward, plan.budget_bytes, peak,
-                    parts.as_dict(), block_plan, eager)
+    """`plan` (its root's step and whether torch checkpoints the blocks) with what its simulated rank gives."""
+    return replace(plan, predicted_peak_bytes=peak, parts=parts.as_dict(), block_plan=block_plan, eager_peak_bytes=eager)
+
+
+def plan_root(model: torch.nn.Module, path: str, hidden: Any, inputs: Sequence[Any], kwargs: dict | None,
+              spec: Any) -> dict | None:
+    """The plan of the root's step after the blocks (`fxmem.dist.fsdp_root.RootTail`: final norm, head,
+    loss) at its least peak, the loss in as many chunks as that needs; None where fxmem cannot plan it (a
+    last block that returns no tensor, a model whose output has no loss: nothing to chunk)."""
+    if not isinstance(hidden, torch.Tensor):
+        return None
+    tail, args = RootTail(model, path), (hidden, *inputs)
+    options = {"example_kwargs": kwargs, "target": spec, "keep_outputs": False}  # transformers' logits: left out
+    try:
+        try:  # a budget below any plan's: the refusal names the least
+            api.plan(tail, args, 1 / 2**30, **options)
+        except ValueError as exc:  # the output is the loss itself (keep_outputs= goes with a `loss` field)
+            if isinstance(exc, InfeasibleBudgetError):
+                raise
+            del options["keep_outputs"]
+            api.plan(tail, args, 1 / 2**30, **options)
+        return None  # a plan under one byte: nothing to plan
+    except InfeasibleBudgetError as exc:
+        least = exc.min_budget_bytes
+    except FxmemError:
+        return None
+    try:
+        root = api.plan(tail, args, least / 2**30, **options)
+    except FxmemError:  # the least named, not met again (a solver stopped by its time limit): the root stays eager
+        return None
+    return root.to_dict() if root.loss_chunks > 1 else None

@@ -58,7 +58,7 @@ def main() -> None:
         plan_fsdp(model, (), 1e-6, example_kwargs=kwargs, time_limit_s=args.time_limit, rounds=args.rounds, **common)
     except InfeasibleBudgetError as exc:
         print(exc.breakdown)
-        print(f"least found (fxmem's block plans, else torch's checkpoint): {exc.min_budget_bytes / GIB:8.2f} GiB "
+        print(f"least found (fxmem's block and root plans, else torch's checkpoint): {exc.min_budget_bytes / GIB:8.2f} GiB "
               f"({time.perf_counter() - at:.0f} s, {args.rounds} rounds, {args.time_limit:g} s per block plan)")
     print(f"whole script {time.perf_counter() - started:.0f} s wall; peak host memory (RSS) {peak_rss_bytes() / GIB:.2f} GiB")
 

@@ -50,6 +50,20 @@ def key_of(model: torch.nn.Module, gm: torch.fx.GraphModule, args: Sequence[Any]
     return (type(_root(model)), *trace_key(gm, args, kwargs))
 
 
+@contextlib.contextmanager
+def forgotten_after():
+    """Joints traced within are forgotten at its end: they hold fake tensors of a fake mode that ends there
+    (a rank simulated on fakes, `fxmem.fsdp.rank_peak`), which a later mode's step cannot be planned on."""
+    with _LOCK:
+        before = collections.OrderedDict(_JOINTS)
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _JOINTS.clear()
+            _JOINTS.update(before)
+
+
 def kept(key: tuple) -> tuple[torch.fx.GraphModule, int] | None:
     """A copy of the joint graph kept for `key` and its number of forward outputs; None if none is."""
     with _LOCK:

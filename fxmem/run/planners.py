@@ -128,12 +128,12 @@ class RecordingPlanner(Planner):
         try:
             plan = super()._make_plan(joint, fingerprint)
         except InfeasibleBudgetError:
-            if not (step_least.waits(self.ledger, self.record) or step_least.pending(self.ledger, self.record)):
+            if not step_least.waits(self.ledger, self.record):
                 raise
             self.record.refused = True
             plan, _ = least_plan(self, joint, fingerprint)
             plan = dataclasses.replace(plan, budget_bytes=self.request.budget_bytes)
-        if step_least.pending(self.ledger, self.record) or (self.record.refused and not self.record.breaks):
+        if step_least.pending(self.ledger, self.record):
             step_least.settle(self.ledger, self.record, self.settings)
         return plan
 

@@ -39,14 +39,15 @@ def _key(fingerprint: str, settings: Any) -> tuple:
 
 
 def waits(ledger: Ledger, record: GraphRecord) -> bool:
-    """Whether a refusal of `record`'s graph waits for the graph that ends its frame: on the backend's own path
-    (no probe of the step: no survey), where Dynamo ended it at a graph break."""
-    return ledger.survey is None and record.breaks
+    """Whether a refusal of `record`'s graph is settled for the step's graphs together: on the backend's own path
+    (no probe of the step: no survey), where more graphs follow (Dynamo ended it at a graph break) or graphs came
+    before it."""
+    return ledger.survey is None and (record.breaks or any(r is not record for r in ledger.latest()))
 
 
 def pending(ledger: Ledger, record: GraphRecord) -> bool:
-    """Whether `record`'s graph ends a frame in which an earlier graph's refusal waits."""
-    return ledger.survey is None and not record.breaks and any(r.refused for r in ledger.latest())
+    """Whether `record`'s graph ends a frame in which a graph's refusal waits (its own included)."""
+    return ledger.survey is None and not record.breaks and (record.refused or any(r.refused for r in ledger.latest()))
 
 
 def settle(ledger: Ledger, last: GraphRecord, settings: Any) -> None:

@@ -1,0 +1,1 @@
+"""Several devices: pipeline stages, device regions and placement, and the parts of an FSDP2 rank."""

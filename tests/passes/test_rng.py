@@ -71,7 +71,7 @@ def test_recomputed_dropout_draws_eagers_masks(replays, cnn_bounds):
     eager, least, _ = cnn_bounds
     budget = least + (eager - least) // 10
     reference = copy.deepcopy(model)
-    optimized = fxmem.optimize(model, budget_gb=budget / GIB, time_limit_s=5)
+    optimized = fxmem.optimize(model, budget_gb=budget / GIB, time_limit_s=1)
     _three_steps_like_eager(reference, optimized, model, inputs)  # masks, gradients, BatchNorm stats, generator
     saves, replayed = replays[-1]
     assert saves == replayed > 0
@@ -126,7 +126,7 @@ def test_compile_backend_replays_dropout(replays, cnn_bounds):
     budget = named.value.min_budget_bytes
     assert budget < kept  # below the least found keeping every mask
     reference = copy.deepcopy(model)
-    model.compile(backend="fxmem", options={"budget_gb": budget / GIB, "inner": "aot_eager", "time_limit_s": 5})
+    model.compile(backend="fxmem", options={"budget_gb": budget / GIB, "inner": "aot_eager", "time_limit_s": 1})
     _three_steps_like_eager(reference, model, model, inputs)
     saves, replayed = replays[-1]
     assert saves == replayed > 0
@@ -144,7 +144,7 @@ def test_gpt_with_dropout_below_least_keeping_masks(replays):
     assert least < kept
     budget = (least + kept) // 2
     reference = copy.deepcopy(model)
-    optimized = fxmem.optimize(model, budget_gb=budget / GIB, time_limit_s=5)
+    optimized = fxmem.optimize(model, budget_gb=budget / GIB, time_limit_s=1)
     _three_steps_like_eager(reference, optimized, model, inputs)
     saves, replayed = replays[-1]
     assert saves == replayed > 0

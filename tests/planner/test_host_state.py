@@ -27,6 +27,8 @@ def model():
     return transformers.GPT2LMHeadModel(config())
 
 
+# what the tests check holds of any plan the solver finds, not of the best: a short search each
+LIMIT_S = 1
 X = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
 KW = dict(input_ids=X, labels=X)
 
@@ -34,7 +36,7 @@ KW = dict(input_ids=X, labels=X)
 def least(**options) -> int:
     state = fxmem.plan(model(), (), None, example_kwargs=KW, optimizer="adamw").optimizer_state_bytes
     with pytest.raises(fxmem.InfeasibleBudgetError) as refused:  # above the state alone, below any step
-        fxmem.plan(model(), (), (state + 2**10) / 2**30, example_kwargs=KW, **options)
+        fxmem.plan(model(), (), (state + 2**10) / 2**30, example_kwargs=KW, time_limit_s=LIMIT_S, **options)
     return refused.value.min_budget_bytes
 
 
@@ -49,7 +51,8 @@ def between(leasts):
     """A budget the step fits only with (some of) its state on the host, and the plan for it."""
     on_device, on_host, _ = leasts
     budget = (on_device + on_host) / 2 / 2**30
-    return budget, fxmem.plan(model(), (), budget, example_kwargs=KW, optimizer="adamw", offload=True)
+    return budget, fxmem.plan(model(), (), budget, example_kwargs=KW, optimizer="adamw", offload=True,
+                              time_limit_s=LIMIT_S)
 
 
 def test_refusal_names_the_least_with_the_state_on_the_host(leasts):
@@ -79,7 +82,8 @@ def test_a_budget_only_host_state_meets(between, leasts):
 
 def test_state_stays_on_the_device_where_it_fits_at_no_cost(leasts):
     on_device = leasts[0]
-    plan = fxmem.plan(model(), (), on_device * 4 / 2**30, example_kwargs=KW, optimizer="adamw", offload=True)
+    plan = fxmem.plan(model(), (), on_device * 4 / 2**30, example_kwargs=KW, optimizer="adamw", offload=True,
+                      time_limit_s=LIMIT_S)
     assert not plan.host_parameters and plan.host_state_bytes == 0
 
 
@@ -124,7 +128,7 @@ def test_optimize_trains_as_eager_adamw(between):
     trained = copy.deepcopy(reference)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     optimized = fxmem.optimize(trained, budget_gb=budget, optimizer=torch.optim.AdamW(trained.parameters(), lr=1e-2),
-                               offload=True)
+                               offload=True, time_limit_s=LIMIT_S)
     opt = optimized.fxmem_optimizer
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 1, gamma=0.5)

@@ -17,7 +17,7 @@ def gpt_plan():
     model = models.from_name("gpt-tiny")
     inputs = models.example_inputs("gpt-tiny")
     eager = fxmem.plan(model, inputs)
-    plan = fxmem.plan(model, inputs, budget_gb=0.75 * eager.baseline_peak_bytes / 2**30, time_limit_s=5)
+    plan = fxmem.plan(model, inputs, budget_gb=0.75 * eager.baseline_peak_bytes / 2**30, time_limit_s=1)
     return model, inputs, plan
 
 

@@ -55,7 +55,7 @@ def test_labels_without_loss_fn_trains_like_eager_from_the_models_own_loss():
     model, ids = _gpt2(resid_pdrop=0.1, attn_pdrop=0.0)
     reference = copy.deepcopy(model)
     eager = measure_peak_bytes(copy.deepcopy(model), (ids,), {"labels": ids})
-    optimized = fxmem.optimize(model, budget_gb=0.6 * eager / GIB, time_limit_s=2)
+    optimized = fxmem.optimize(model, budget_gb=0.6 * eager / GIB, time_limit_s=1)
     _assert_same_training(reference, model, optimized, ids)
     assert "the model's `loss` output" in optimized.plan.loss and "loss" in optimized.plan.table()
     assert optimized.plan.recompute  # the budget made it recompute, and the step still equals eager's
@@ -81,12 +81,12 @@ def test_a_refused_budget_names_the_least_without_held_outputs_and_the_next_call
     the outputs beside the loss not returned (a warning says so)."""
     model, ids = _gpt2(vocab=4096, tokens=(2, 128))
     with pytest.raises(InfeasibleBudgetError, match="keep_outputs=False drops them") as kept:
-        fxmem.optimize(copy.deepcopy(model), budget_gb=1e-6, time_limit_s=2, keep_outputs=True)(ids, labels=ids)
+        fxmem.optimize(copy.deepcopy(model), budget_gb=1e-6, time_limit_s=1, keep_outputs=True)(ids, labels=ids)
     with pytest.raises(InfeasibleBudgetError, match="outputs beside the loss are not returned") as dropped:
-        fxmem.optimize(copy.deepcopy(model), budget_gb=1e-6, time_limit_s=2)(ids, labels=ids)
+        fxmem.optimize(copy.deepcopy(model), budget_gb=1e-6, time_limit_s=1)(ids, labels=ids)
     least = dropped.value.min_budget_bytes
     assert least < kept.value.min_budget_bytes
-    optimized = fxmem.optimize(copy.deepcopy(model), budget_gb=least / GIB, time_limit_s=2)
+    optimized = fxmem.optimize(copy.deepcopy(model), budget_gb=least / GIB, time_limit_s=1)
     with pytest.warns(UserWarning, match="not returned"):
         assert measure_peak_bytes(optimized, (ids,), {"labels": ids}, warmup=False) <= least
     logits = []

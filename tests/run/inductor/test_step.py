@@ -37,9 +37,9 @@ class Net(nn.Module):
         return nn.functional.cross_entropy(self.out(h), y)
 
 
-def _setup():
+def _setup(depth=2):
     torch.manual_seed(0)
-    return Net(), (torch.randn(256, 32), torch.randint(0, 10, (256,)))
+    return Net(depth=depth), (torch.randn(256, 32), torch.randint(0, 10, (256,)))
 
 
 @pytest.mark.parametrize("method", ["symbolic_trace", "export"])
@@ -104,8 +104,9 @@ def test_a_plan_the_fit_meets_again_is_not_scheduled_again(monkeypatch):
 
 
 def test_a_calibrated_plan_times_the_kernels_inductor_calls():
-    """calibrate=True under Inductor: the aten kernels of the fused step timed here, the step priced by them."""
-    model, inputs = _setup()
+    """calibrate=True under Inductor: the aten kernels of the fused step timed here, the step priced by them
+    (one block: a second repeats the first's kernels)."""
+    model, inputs = _setup(depth=1)
     priced = {}
     for calibrate in (False, True):
         optimized = fxmem.optimize(copy.deepcopy(model), budget_gb=1.0, inner="inductor", calibrate=calibrate)

@@ -19,10 +19,7 @@ from typing import Any, Iterable
 
 import torch
 
-
-def _storage(t: torch.Tensor) -> tuple[int, int]:
-    s = t.untyped_storage()
-    return s.data_ptr(), int(s.nbytes())
+from fxmem.run.dynamo.ledger import _storage
 
 
 @dataclass

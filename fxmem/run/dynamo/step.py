@@ -70,13 +70,12 @@ def probe_step(model: torch.nn.Module, args: Sequence[Any], kwargs: dict, settin
 
 def _tail(out: Any, held: EagerHeld, cut: list[weakref.ref]) -> int:
     """`EagerHeld.tail` of the probe's loss (0 where the step returns none: the caller computes it)."""
-    from fxmem.trace.loss import loss_of
+    from fxmem.trace.loss import classify, loss_of
 
-    try:
-        loss = loss_of(out)
-    except FxmemError:
+    if classify(out).kind == "outside":
         return 0
-    if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
+    loss = loss_of(out)
+    if loss.grad_fn is None:
         return 0
     return held.tail(loss, [t for t in (ref() for ref in cut) if t is not None])
 

@@ -16,9 +16,8 @@ Reads the ledger's records; writes the in-process memo (`MEMO_SIZE` steps).
 """
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -27,8 +26,6 @@ from fxmem.errors import FxmemError, fmt_bytes
 from fxmem.planner.margin import margin_for
 from fxmem.run.dynamo.ledger import GraphRecord, Ledger
 from fxmem.run.dynamo.shared_budget import GraphShare, least_plan, need, refusal
-
-log = logging.getLogger("fxmem")
 
 MEMO_SIZE = 16
 _SHARES: OrderedDict[tuple, list[GraphShare]] = OrderedDict()
@@ -56,12 +53,12 @@ def settle(ledger: Ledger, last: GraphRecord, settings: Any) -> None:
     what they need together, else an error saying to compile again (they are then planned together)."""
     records = [r for r in ledger.latest() if r is not last and r.planner is not None] + [last]
     shares = [_share(ledger, r) for r in records]
-    total, k = need([s.peak for s in shares], [s.saved for s in shares])
-    _SHARES[_key(records[0].planner.fingerprint, settings)] = shares
-    _SHARES.move_to_end(_key(records[0].planner.fingerprint, settings))
+    key = _key(records[0].planner.fingerprint, settings)
+    _SHARES[key] = shares
+    _SHARES.move_to_end(key)
     while len(_SHARES) > MEMO_SIZE:
         _SHARES.popitem(last=False)
-    budget, least = ledger.budget_bytes, margin_for(shares[0].plan.device).least_budget(total)
+    budget, (least, total, k) = ledger.budget_bytes, _least(shares)
     if budget < least:
         raise refusal(budget, shares, total, k)
     raise FxmemError(f"budget {fmt_bytes(budget)} reaches the least this step's {len(shares)} graphs need together, "
@@ -74,10 +71,13 @@ def remembered(fingerprint: str, settings: Any, budget: int) -> list[GraphShare]
     """The graphs at their least kept for a step whose first graph is `fingerprint`, where `budget` reaches
     what they need together (else None: the step is planned, and refused, as before)."""
     shares = _SHARES.get(_key(fingerprint, settings))
-    if shares is None:
-        return None
-    total, _ = need([s.peak for s in shares], [s.saved for s in shares])
-    return shares if budget >= margin_for(shares[0].plan.device).least_budget(total) else None
+    return shares if shares is not None and budget >= _least(shares)[0] else None
+
+
+def _least(shares: list[GraphShare]) -> tuple[int, int, int]:
+    """(least budget, the bytes the graphs need together, the graph where they peak), margin included in the first."""
+    total, k = need([s.peak for s in shares], [s.saved for s in shares])
+    return margin_for(shares[0].plan.device).least_budget(total), total, k
 
 
 def _share(ledger: Ledger, record: GraphRecord) -> GraphShare:
@@ -92,6 +92,3 @@ def _share(ledger: Ledger, record: GraphRecord) -> GraphShare:
 def forget() -> None:
     """Drop every kept step (tests)."""
     _SHARES.clear()
-
-
-__all__: Sequence[str] = ("waits", "pending", "settle", "remembered", "forget")

@@ -22,8 +22,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Iterable
 
-from fxmem.errors import fmt_bytes
+from fxmem.errors import InfeasibleBudgetError, fmt_bytes
 from fxmem.solve.problem import MemoryProblem, recompute_cost
+from fxmem.solve.recompute.bound import peak_lower_bound
 from fxmem.solve.recompute.checkpoint import checkpoint_layers
 from fxmem.solve.recompute.layers import find_layers
 from fxmem.solve.recompute.phases import phase_peak
@@ -104,3 +105,21 @@ def spend_slack(problem: MemoryProblem, candidate, solution: Solution, budget: i
             return relaxed, make_solution(problem, kept, "feasible", 0, started, f"{solution.solver}+relax")
         target = min(target, phase_peak(problem, kept)) - (relaxed.timeline.peak - budget)
     return candidate, solution
+
+
+def refused_at_bound(problem: MemoryProblem, budget: int, least_budget: Callable[[int], int],
+                     parts: dict[str, int]) -> InfeasibleBudgetError | None:
+    """The refusal of `budget` where no decision can meet it, proven from the problem alone (`peak_lower_bound`
+    with the planning margin, `least_budget`), without searching for the least; None where that proves nothing
+    (or offload may move values off the device, which the bound does not cover). The refusal names the bound,
+    not a least found, and says so (`bound_only`): a caller that only asks whether a budget can be met (the
+    engine's attempt with the outputs held) is answered in a fraction of a second; anything it passes on to
+    a user is searched in full first."""
+    if any(problem.can_offload):
+        return None
+    bound = least_budget(peak_lower_bound(problem))
+    if bound <= budget:
+        return None
+    refusal = InfeasibleBudgetError(budget, bound, parts, lower_bound_bytes=bound)
+    refusal.bound_only = True
+    return refusal

@@ -23,7 +23,7 @@ import torch.fx
 
 from fxmem.price.cost import DEVICE_PRESETS, HOST_LINKS, CostTable, DeviceSpec, estimate
 from fxmem.errors import InfeasibleBudgetError, fmt_bytes
-from fxmem.planner.fitting import lowest, solved, spend_slack
+from fxmem.planner.fitting import lowest, refused_at_bound, solved, spend_slack
 from fxmem.price import price_record
 from fxmem.price.kernel_timer import KernelTimer
 from fxmem.planner.margin import margin_for
@@ -103,6 +103,7 @@ class PlanRequest:
     chunk_loss: bool = False  # the loss may be computed in chunks of tokens where the budget needs it (fxmem.planner.loss_chunks)
     policy: Policy | None = None  # a named policy (fxmem.planner.policies) decides instead of the budget
     cache: bool = True  # a plan made before for this graph and request is read from disk (fxmem.planner.plan_cache)
+    refuse_at_bound: bool = False  # a budget under the peak's lower bound is refused naming it, no least searched
 
 
 @dataclass(frozen=True)
@@ -275,6 +276,10 @@ class Planner:
             lowered = allow_offload(lowered, split, costs, request.offload_min_bytes)
         log.info("joint graph: %d forward and %d backward ops, %d values backward may need",
                  len(split.forward), len(split.backward), lowered.problem.num_values)
+        if request.refuse_at_bound and budget is not None and request.policy is None:
+            refusal = refused_at_bound(lowered.problem, budget, self.margin.least_budget, breakdown(split, self.allocator))
+            if refusal is not None:
+                raise refusal
         eager = self._candidate(joint, lowered, eager_decision(lowered.problem))
         start = time.perf_counter()
         chosen, solution, min_budget = eager, None, None

@@ -5,11 +5,13 @@ From the second micro-batch on, every parameter's `.grad` is on the device durin
 makes each new gradient beside the existing one until AccumulateGrad adds it in (in place). A step
 planned with every `.grad` None does not count them; one planned with `GradientState.bytes` resident
 does (`fxmem.planner.resident`). Reads the model's `.grad` tensors (only whether they exist, their storages,
-and whether all are zero); writes nothing.
+and whether all are zero); writes nothing but a warning where a given plan did not count them.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -70,3 +72,17 @@ def accumulating_state(model: torch.nn.Module) -> GradientState:
     resident, not zeros), for planning before any gradient exists."""
     params = [p for p in model.parameters() if p.requires_grad]
     return GradientState(tuple(True for _ in params), accumulated_gradient_bytes(model), False)
+
+
+def warn_unplanned_gradients(plan: Any, grads: GradientState) -> None:
+    """`plan` (a given `fxmem.planner.plan.Plan`, or None) made with every .grad None, applied while gradients are
+    resident: say in a warning when the gradients take the step over the plan's budget."""
+    if plan is None or not grads.resident or plan.resident_gradient_bytes >= grads.bytes:
+        return
+    peak = plan.predicted_peak_bytes - plan.resident_gradient_bytes + grads.bytes
+    if peak > plan.budget_bytes:
+        warnings.warn(f"fxmem: plan= was made for a step with {'no' if not plan.resident_gradient_bytes else 'fewer'} "
+                      f"gradients resident, but {grads.description} gradients of {grads.bytes / 2**20:.1f} MiB exist "
+                      f"now: this step is predicted to peak at {peak / 2**20:.1f} MiB, over the plan's budget of "
+                      f"{plan.budget_bytes / 2**20:.1f} MiB. Plan the accumulating step with fxmem.plan(..., "
+                      "accumulating=True) or let fxmem.optimize(model, budget_gb=...) plan it", stacklevel=4)

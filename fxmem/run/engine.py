@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -28,7 +27,7 @@ from torch._functorch.partitioners import default_partition
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 
 from fxmem.trace import autocast as bwa
-from fxmem.price.accumulation import GradientState, gradient_state
+from fxmem.price.accumulation import GradientState, gradient_state, warn_unplanned_gradients
 from fxmem.planner.attention_chunks import plan_with_rewrites, rewrites_planned
 from fxmem.trace.capture import capture, data_dependent_error, describe_input, flat_graph_inputs, structure_outputs
 from fxmem.run.eager_step import EagerStep, eager_peak_within, eager_plan
@@ -279,30 +278,44 @@ class OptimizedModule(ModelWrapper):
                        loop: str | None) -> tuple[Any, Any]:
         """`_plan`'s step for the loop seen (`fxmem.trace.loop`). Where the outputs cannot be held within the
         budget, the step that drops them, whatever the loop (said once in a warning), kept for the held loop too."""
-        try:
-            return self._plan(model, args, kwargs, grads, loop)
+        try:  # held: refused at a lower bound of its peak, where that proves it; the least is searched only to name it
+            return self._plan(model, args, kwargs, grads, loop, refuse_at_bound=loop == HELD)
         except InfeasibleBudgetError as exc:
             if loop != HELD or not getattr(exc, "names_held_outputs", False):  # no outputs held beside a loss
-                raise
+                raise self._searched_refusal(exc, model, args, kwargs, grads, loop) from None
             held, held_least = exc, exc.min_budget_bytes
         try:
             step, out = self._plan(model, args, kwargs, grads, DROPPED, held_least)
         except InfeasibleBudgetError as exc:
+            if exc.min_budget_bytes >= held_least:  # the held step's least, where it was a bound, searched
+                held = self._searched_refusal(held, model, args, kwargs, grads, loop)
+                held_least = held.min_budget_bytes
             if exc.min_budget_bytes >= held_least:  # dropping the outputs does not lower it (Dynamo's graphs)
                 raise held from None
             exc.args = (f"{exc.args[0]}; at that least the outputs beside the loss are not returned (held through "
-                        f"backward, they need {fmt_bytes(held_least or 0)})",)
+                        f"backward, they need at least {fmt_bytes(held_least or 0)})",)
             raise
         self._steps.setdefault((key[:-1] + (DROPPED,), None), step)
         warn_at_caller(f"fxmem: {type(self.fxmem_model).__qualname__}'s outputs beside its loss are not returned "
-                       f"(None): the budget is below the least with them held ({fmt_bytes(held_least or 0)}); "
+                       f"(None): the budget is below what holding them needs (at least {fmt_bytes(held_least or 0)}); "
                        "keep_outputs=False asks for this")
         return step, out
 
+    def _searched_refusal(self, refusal: InfeasibleBudgetError, *plan_args: Any) -> InfeasibleBudgetError:
+        """`refusal` where it names a least searched for, else the refusal of `_plan(*plan_args)` searched in full."""
+        if not getattr(refusal, "bound_only", False):
+            return refusal
+        try:
+            self._plan(*plan_args)
+        except InfeasibleBudgetError as searched:
+            return searched
+        raise AssertionError("a budget under its proven lower bound was met")
+
     def _plan(self, model: torch.nn.Module, args: tuple, kwargs: dict, grads: GradientState, loop: str | None = None,
-              held_least: int | None = None) -> tuple[Any, Any]:
+              held_least: int | None = None, refuse_at_bound: bool = False) -> tuple[Any, Any]:
         """A new step for this input signature, the gradients resident at its start and the loop seen (None:
-        `keep_outputs` as given), and the output of its first call (which traces and plans)."""
+        `keep_outputs` as given), and the output of its first call (which traces and plans); `refuse_at_bound`:
+        a budget under the step's lower bound is refused naming that bound (`PlanRequest.refuse_at_bound`)."""
         options = self._loss_options
         if options and loop is not None:
             options = (options[0], loop == HELD, options[2])
@@ -311,8 +324,9 @@ class OptimizedModule(ModelWrapper):
         if loop is not None and isinstance(module, OwnLossStep):
             loss = loop_row(loss, loop, held_least)
         request = dataclasses.replace(self._make_request(module, args, kwargs), loss=loss,
-                                      resident_gradient_bytes=grads.bytes, resident_gradients=grads.description)
-        _warn_unplanned_gradients(request, grads)
+                                      resident_gradient_bytes=grads.bytes, resident_gradients=grads.description,
+                                      refuse_at_bound=refuse_at_bound)
+        warn_unplanned_gradients(request.plan, grads)
         log.info("fxmem: planning %s %s", request.model, request.signature)
         with planning(f"planning {request.model} {short_signature(request.signature)}", request.time_limit_s), \
                 stepped.naming_held_outputs():
@@ -338,7 +352,7 @@ class OptimizedModule(ModelWrapper):
                     raise PolicyError(f"policy={request.policy.name!r} plans a step captured as one graph; "
                                       f"{exc.construct}: pass budget_gb= instead") from None
 
-                step = DynamoStep(module, request, exc)
+                step = DynamoStep(module, dataclasses.replace(request, refuse_at_bound=False), exc)
                 return step, step(args, kwargs)
 
     def _place_state(self, module: torch.nn.Module, step: Any) -> None:
@@ -420,21 +434,6 @@ def _eager_or_planned(module: torch.nn.Module, args: tuple, kwargs: dict, reques
                  request.model, eager, made.baseline_peak_bytes)
         return EagerStep(module, as_eager)
     return step
-
-
-def _warn_unplanned_gradients(request: PlanRequest, grads: GradientState) -> None:
-    """A given plan made with every .grad None, applied while gradients are resident: say when the
-    gradients take the step over the plan's budget."""
-    plan = request.plan
-    if plan is None or not grads.resident or plan.resident_gradient_bytes >= grads.bytes:
-        return
-    peak = plan.predicted_peak_bytes - plan.resident_gradient_bytes + grads.bytes
-    if peak > plan.budget_bytes:
-        warnings.warn(f"fxmem: plan= was made for a step with {'no' if not plan.resident_gradient_bytes else 'fewer'} "
-                      f"gradients resident, but {grads.description} gradients of {grads.bytes / 2**20:.1f} MiB exist "
-                      f"now: this step is predicted to peak at {peak / 2**20:.1f} MiB, over the plan's budget of "
-                      f"{plan.budget_bytes / 2**20:.1f} MiB. Plan the accumulating step with fxmem.plan(..., "
-                      "accumulating=True) or let fxmem.optimize(model, budget_gb=...) plan it", stacklevel=4)
 
 
 def _cache_key(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple:

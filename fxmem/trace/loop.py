@@ -59,7 +59,7 @@ def loop_row(loss_row: str, loop: str, held_least: int | None = None) -> str:
     if loop == HELD:
         return f"{loss_row}; planned for a loop that holds them through backward, until one is seen dropping them"
     if held_least is not None:
-        return (f"the model's `loss` output; other outputs not returned (None): the budget is below the least "
-                f"with them held ({fmt_bytes(held_least)})")
+        return (f"the model's `loss` output; other outputs not returned (None): the budget is below what holding "
+                f"them needs (at least {fmt_bytes(held_least)})")
     return ("the model's `loss` output; other outputs not returned (None): planned for the loop seen, which drops "
             "them before backward (a call seen holding its output plans them held again)")

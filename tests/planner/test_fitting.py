@@ -153,3 +153,27 @@ def test_a_solver_out_of_its_limit_is_not_asked_again(monkeypatch, bounds):
         fxmem.plan(model, inputs, budget_gb=0.5 * least / GIB, time_limit_s=1)
     assert len(asked) == 1
     assert not refused.value.proven and "least budget found" in str(refused.value)
+
+
+def test_a_budget_under_the_peaks_lower_bound_is_refused_naming_it_and_one_over_it_is_not_decided():
+    """`refused_at_bound` proves a refusal from the problem alone (no search): under the bound (with the margin)
+    it names the bound and says it is one; at the bound it decides nothing; with offload allowed it never refuses."""
+    from dataclasses import replace
+
+    from fxmem.planner.fitting import refused_at_bound
+    from fxmem.solve.recompute.bound import peak_lower_bound
+    from fxmem.solve.recompute.least import least_peak
+    from tests.solve.test_solve import chain
+
+    problem = chain(6)
+    bound = peak_lower_bound(problem)
+    assert bound <= least_peak(problem, 1.0).peak  # a bound, not more than the least found
+    plus_ten = lambda peak: peak + 10  # noqa: E731 (a margin of 10 bytes)
+    refusal = refused_at_bound(problem, bound + 9, plus_ten, {"parameters": 1})
+    assert refusal.bound_only and refusal.min_budget_bytes == bound + 10 and refusal.budget_bytes == bound + 9
+    assert refusal.breakdown == {"parameters": 1} and refusal.proven
+    assert refused_at_bound(problem, bound + 10, plus_ten, {}) is None
+    n = problem.num_values
+    offloadable = replace(problem, can_offload=(True,) * n, transfer_ns=(1,) * n, offload_ready=problem.need_first,
+                          offload_blockers=((),) * n, step_ns=(1,) * len(problem.base))
+    assert refused_at_bound(offloadable, 1, plus_ten, {}) is None

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import fxmem
+import fxmem.planner.planner
 from fxmem.errors import InfeasibleBudgetError
 from fxmem.trace.eager_meter import eager_peak_bytes
 from fxmem.trace.loss import OUTSIDE, classify
@@ -75,7 +76,7 @@ def test_keep_outputs_false_returns_the_loss_alone():
     assert out.logits is None and out.loss.requires_grad
 
 
-def test_a_refused_budget_names_the_least_without_held_outputs_and_the_next_call_meets_it():
+def test_a_refused_budget_names_the_least_without_held_outputs_and_the_next_call_meets_it(monkeypatch):
     """The returned logits hold the floor of a `labels=` step: with `keep_outputs=True` the refusal names
     `keep_outputs=False`; by default it names the least without them, and the next call meets it in either loop,
     the outputs beside the loss not returned (a warning says so)."""
@@ -86,9 +87,15 @@ def test_a_refused_budget_names_the_least_without_held_outputs_and_the_next_call
         fxmem.optimize(copy.deepcopy(model), budget_gb=1e-6, time_limit_s=1)(ids, labels=ids)
     least = dropped.value.min_budget_bytes
     assert least < kept.value.min_budget_bytes
+    assert not getattr(dropped.value, "bound_only", False)  # a least searched for, never a bound
     optimized = fxmem.optimize(copy.deepcopy(model), budget_gb=least / GIB, time_limit_s=1)
-    with pytest.warns(UserWarning, match="not returned"):
+    searched = []  # the held step is refused at its lower bound: only the dropped one is searched
+    fit = fxmem.planner.planner.Planner._fit
+    monkeypatch.setattr(fxmem.planner.planner.Planner, "_fit",
+                        lambda self, *a, **k: searched.append(self.request.refuse_at_bound) or fit(self, *a, **k))
+    with pytest.warns(UserWarning, match="what holding them needs"):
         assert measure_peak_bytes(optimized, (ids,), {"labels": ids}, warmup=False) <= least
+    assert True not in searched
     logits = []
 
     def dropping(module, args, kwargs):

@@ -326,6 +326,8 @@ class OptimizedModule(ModelWrapper):
         request = dataclasses.replace(self._make_request(module, args, kwargs), loss=loss,
                                       resident_gradient_bytes=grads.bytes, resident_gradients=grads.description,
                                       refuse_at_bound=refuse_at_bound)
+        if request.inner == "inductor":  # its fused step can hold less than the unfused step's lower bound
+            request = dataclasses.replace(request, refuse_at_bound=False)
         warn_unplanned_gradients(request.plan, grads)
         log.info("fxmem: planning %s %s", request.model, request.signature)
         with planning(f"planning {request.model} {short_signature(request.signature)}", request.time_limit_s), \

@@ -175,8 +175,8 @@ class FusedPlanning:
             try:
                 plan, fused = self.plan_at(gm, fakes, dataclasses.replace(asked, budget_bytes=target))
             except InfeasibleBudgetError as refused:
-                if target >= refused.min_budget_bytes or getattr(refused, "bound_only", False):
-                    raise  # refused at the unfused step's lower bound: asked only whether the budget can be met
+                if target >= refused.min_budget_bytes:
+                    raise
                 refusal, target = refused, refused.min_budget_bytes  # its least, planned instead
                 plan, fused = self.plan_at(gm, fakes, dataclasses.replace(asked, budget_bytes=target))
             if fused.peak <= limit:

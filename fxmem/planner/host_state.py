@@ -27,11 +27,14 @@ from fxmem.planner.resident import LABEL
 from fxmem.solve.host_state import HostStateCosts
 
 # The planned backward is one graph that returns every gradient at its end, so the gradients' hooks fire, and
-# their copies start, once backward is over: no backward time hides them. (Copies issued inside the backward
-# graph as each gradient is made would overlap it; fxmem.solve.host_state prices that with `overlap_s`.)
+# their copies start, once backward is over: no backward time hides them. Gradients moved to the host inside
+# the backward graph (passes/host_gradients.py) are copied as each is made: on a GPU beside the rest of
+# backward, taken as this share of the step's compute (a matmul's backward is two of its three matmuls).
 OVERLAP_S = 0.0
+BACKWARD_SHARE = 2 / 3
 ALL_HOST, FITTED, KEEP_ALL, ALL_DEVICE = ("all on the host", "the plan's activations, least state on the host",
                                           "keep-all, least state on the host", "all on the device")
+ALL_HOST_GRADS = "all on the host, gradients too"
 MOST_DEVICE = "least state on the host, recomputing what that needs"
 
 
@@ -54,37 +57,91 @@ def restated(plan: Plan, device_state: int) -> Plan:
                                predicted_peak_bytes=plan.predicted_peak_bytes + change)
 
 
-def with_host_state(plan: Plan, costs: HostStateCosts, count: int, names: tuple[str, ...], options: tuple) -> Plan:
-    """`plan` with the first `count` parameters' state on the host: their state off the device, the copies'
-    and the update's exposed time in the step."""
+def with_host_state(plan: Plan, costs: HostStateCosts, count: int, names: tuple[str, ...], options: tuple,
+                    grads: int = 0, backward_s: float | None = None, calls_s: float = 0.0) -> Plan:
+    """`plan` with the first `count` parameters' state on the host (and the first `grads` ones' gradients, moved
+    out inside backward, `backward_s` long where copies run beside it, their calls `calls_s` in all: a planned
+    step's per-parameter cost, which a plan with their gradients returned by backward counts): their state off
+    the device, the copies' and the update's exposed time in the step."""
     plan = restated(plan, costs.device_bytes(count))
     out, back = costs.copy_seconds(count)
     update = costs.update_seconds(count)
-    exposed_copies = costs.exposed_seconds(count, OVERLAP_S) - update
+    exposed_copies = _waited(costs, count, grads, backward_s) + calls_s - update
     return dataclasses.replace(
         plan, host_state_bytes=costs.host_bytes(count), host_parameters=names[:count], host_update_s=update,
         host_copy_s=out + back, predicted_step_s=plan.predicted_step_s + exposed_copies + update,
         exposed_transfer_s=plan.exposed_transfer_s + exposed_copies, host_options=options,
-        host_link=plan.host_link or "")
+        host_link=plan.host_link or "", host_gradients=names[:grads], host_gradient_bytes=sum(costs.grads[:grads]))
 
 
-def plan_with_host_state(request, plan_at: Callable[[int], Plan], margin_bytes: int) -> Plan:
-    """The least-time mix of optimizer state on the host and activations' decision that fits the request's
-    budget (see the module's note). `plan_at(device_state_bytes)` plans the graphs for the budget less that
-    state."""
-    costs, budget = host_costs(request), request.budget_bytes
+def streams_gradients(request) -> bool:
+    """Whether the step's backward graph can move gradients to the host (passes/host_gradients.py): eager's
+    kernels run it (Inductor compiles its own graphs) and its parameter inputs are known by name."""
+    return request.inner == "aot_eager" and bool(request.primal_names)
+
+
+def _backward_s(request, plan: Plan) -> float | None:
+    """Backward's time, beside which the gradients' copies run (a GPU's side stream); None without one."""
+    return plan.baseline_step_s * BACKWARD_SHARE if request.device.gpu else None
+
+
+def _waited(costs: HostStateCosts, count: int, grads: int, backward_s: float | None) -> float:
+    return costs.host_gradient_seconds(count, backward_s) if grads else costs.exposed_seconds(count, OVERLAP_S)
+
+
+def plan_with_host_state(request, plan_at: Callable[..., Plan], margin_bytes: int) -> Plan:
+    """The least-time mix of optimizer state (and gradients) on the host and activations' decision that fits the
+    request's budget (see the module's note). `plan_at(device_state_bytes, host_gradient_names=())` plans the
+    graphs for the budget less that state, those gradients moved out in backward."""
+    costs = host_costs(request)
     names = tuple(name for name, _, _ in request.host_state)
-    hosted = plan_at(0)  # its refusal is the least with every byte of state off the device
-    tried: list[tuple[str, Plan, int]] = [(ALL_HOST, hosted, costs.count)]
+    tried: list[tuple[str, Plan, int, int]] = []  # (mix, plan, parameters with host state, with host gradients)
+    rows: tuple = ()  # mixes refused
+    if streams_gradients(request):  # its refusal is the least with every byte of state and gradient off the device
+        tried.append((ALL_HOST_GRADS, plan_at(0, names), costs.count, costs.count))
+        try:
+            hosted = plan_at(0)
+        except InfeasibleBudgetError as exc:
+            hosted, rows = None, ({"mix": ALL_HOST, "device_state_bytes": 0, "step_s": None, "chosen": False,
+                                   "least_bytes": exc.min_budget_bytes, "least": "found"},)
+            parts = tried[0][1].breakdown
+            floor = parts.get("parameters, buffers and inputs", 0) + sum(costs.grads)
+            rows += ({"mix": ALL_DEVICE, "device_state_bytes": costs.total_state, "step_s": None, "chosen": False,
+                      "least_bytes": costs.total_state + floor, "least": "bound"},)
+    else:
+        hosted = plan_at(0)  # its refusal is the least with every byte of state off the device
+    if hosted is not None:
+        found, rows = _device_gradient_mixes(request, plan_at, costs, hosted, margin_bytes)
+        tried = found + tried
+    seconds = [plan.predicted_step_s + _waited(costs, count, grads, _backward_s(request, plan))
+               + grads * request.device.param_overhead_s for _, plan, count, grads in tried]
+    best = min(range(len(tried)), key=lambda i: (seconds[i], tried[i][3], tried[i][2]))
+    options = tuple({"mix": label, "device_state_bytes": costs.device_bytes(count), "step_s": s, "chosen": i == best,
+                     "host_gradient_bytes": sum(costs.grads[:grads]),
+                     "peak_bytes": plan.predicted_peak_bytes + costs.device_bytes(count) - plan.optimizer_state_bytes}
+                    for i, ((label, plan, count, grads), s) in enumerate(zip(tried, seconds)))
+    _, plan, count, grads = tried[best]
+    plan = with_host_state(plan, costs, count, names, options + rows, grads, _backward_s(request, plan),
+                           grads * request.device.param_overhead_s)
+    least = tried[-1][1] if streams_gradients(request) else hosted
+    return dataclasses.replace(plan, min_budget_bytes=least.min_budget_bytes)
+
+
+def _device_gradient_mixes(request, plan_at: Callable[..., Plan], costs: HostStateCosts, hosted: Plan,
+                           margin_bytes: int) -> tuple[list, tuple]:
+    """The mixes with every gradient on the device (see the module's note) from `hosted`, the plan with all the
+    state on the host: those that fit, and the row of all on the device where it is refused."""
+    budget = request.budget_bytes
+    tried: list[tuple[str, Plan, int, int]] = [(ALL_HOST, hosted, costs.count, 0)]
     room = budget - margin_bytes - hosted.predicted_peak_bytes
     fitted = costs.least_count(room)
     if fitted is not None and fitted < costs.count:
-        tried.append((ALL_DEVICE if fitted == 0 else FITTED, hosted, fitted))
+        tried.append((ALL_DEVICE if fitted == 0 else FITTED, hosted, fitted, 0))
     keep = costs.least_count(budget - margin_bytes - hosted.baseline_peak_bytes)
     recomputes = hosted.predicted_step_s > hosted.baseline_step_s or hosted.recompute or hosted.offload
     if keep is not None and recomputes and keep < costs.count:
         try:
-            tried.append((ALL_DEVICE if keep == 0 else KEEP_ALL, plan_at(costs.device_bytes(keep)), keep))
+            tried.append((ALL_DEVICE if keep == 0 else KEEP_ALL, plan_at(costs.device_bytes(keep)), keep, 0))
         except InfeasibleBudgetError:
             pass
     refused = None  # all on the device, where it does not fit: (the least budget, found or a bound)
@@ -92,29 +149,21 @@ def plan_with_host_state(request, plan_at: Callable[[int], Plan], margin_bytes: 
     if fitted != 0 and keep != 0:
         if budget - costs.total_state > floor:
             try:
-                tried.append((ALL_DEVICE, plan_at(costs.total_state), 0))
+                tried.append((ALL_DEVICE, plan_at(costs.total_state), 0, 0))
             except InfeasibleBudgetError as exc:
                 refused = (exc.min_budget_bytes, "found")
         else:  # the state, parameters and gradients alone exceed the budget: not planned
             refused = (costs.total_state + floor, "bound")
-    if refused is not None:
-        most = _most_on_device(costs, plan_at, budget, floor, refused)
-        if most is not None and all(most < count for _, _, count in tried):
-            try:
-                tried.append((MOST_DEVICE, plan_at(costs.device_bytes(most)), most))
-            except InfeasibleBudgetError:
-                pass
-    seconds = [plan.predicted_step_s + costs.exposed_seconds(count, OVERLAP_S) for _, plan, count in tried]
-    best = min(range(len(tried)), key=lambda i: (seconds[i], tried[i][2]))
-    options = tuple({"mix": label, "device_state_bytes": costs.device_bytes(count), "step_s": s, "chosen": i == best,
-                     "peak_bytes": plan.predicted_peak_bytes + costs.device_bytes(count) - plan.optimizer_state_bytes}
-                    for i, ((label, plan, count), s) in enumerate(zip(tried, seconds)))
-    if refused is not None:
-        options += ({"mix": ALL_DEVICE, "device_state_bytes": costs.total_state, "step_s": None, "chosen": False,
-                     "least_bytes": refused[0], "least": refused[1]},)
-    _, plan, count = tried[best]
-    plan = with_host_state(plan, costs, count, names, options)
-    return dataclasses.replace(plan, min_budget_bytes=hosted.min_budget_bytes)
+    if refused is None:
+        return tried, ()
+    most = _most_on_device(costs, plan_at, budget, floor, refused)
+    if most is not None and all(most < count for _, _, count, _ in tried):
+        try:
+            tried.append((MOST_DEVICE, plan_at(costs.device_bytes(most)), most, 0))
+        except InfeasibleBudgetError:
+            pass
+    return tried, ({"mix": ALL_DEVICE, "device_state_bytes": costs.total_state, "step_s": None, "chosen": False,
+                    "least_bytes": refused[0], "least": refused[1]},)
 
 
 def _most_on_device(costs: HostStateCosts, plan_at: Callable[[int], Plan], budget: int, floor: int,

@@ -214,11 +214,9 @@ def _host_rows(plan: Any) -> list[list[str]]:
                                           "(in the step time: the update, the values' copy back, the gradients' copies "
                                           "beyond backward)"])
     for row in plan.host_options:
-        if row["step_s"] is None:
-            least = "least" if row.get("least") == "found" else "its state, parameters and gradients alone need"
-            figure = f"refused ({least} {fmt_bytes(row['least_bytes'])})"
-        else:
-            figure = f"peak {fmt_bytes(row['peak_bytes'])}, step {row['step_s'] * 1e3:,.2f} ms"
+        least = "least" if row.get("least") == "found" else "its state, parameters and gradients alone need"
+        figure = f"refused ({least} {fmt_bytes(row['least_bytes'])})" if row["step_s"] is None else \
+            f"peak {fmt_bytes(row['peak_bytes'])}, step {row['step_s'] * 1e3:,.2f} ms"
         rows.append([f"  {'* ' if row['chosen'] else ''}{row['mix']}", f"state on the device {fmt_bytes(row['device_state_bytes'])}"
                      f"{', gradients on the host' if row.get('host_gradient_bytes') else ''}: {figure}"])
     return rows

@@ -17,6 +17,7 @@ placement says, without a detour through the device.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Iterable
 
 import torch
@@ -114,7 +115,8 @@ class HostOptimizer(torch.optim.Optimizer):
         return {k: v for k, v in self.param_groups[i].items() if k != "params"}
 
     def _host_copy(self, p: torch.nn.Parameter) -> torch.Tensor:
-        copy = p.detach().to("cpu", copy=True)
+        with host_memory(p):
+            copy = p.detach().to("cpu", copy=True)
         self._values[p] = p._version
         return copy.pin_memory() if p.device.type == "cuda" else copy
 
@@ -130,20 +132,8 @@ class HostOptimizer(torch.optim.Optimizer):
         grad = p.grad
         if grad is None:
             return
-        buffer = self._grads.get(p)
-        if buffer is None:
-            buffer = torch.empty(grad.shape, dtype=grad.dtype, device="cpu",
-                                 pin_memory=grad.device.type == "cuda")
-            self._grads[p] = buffer
-        if grad.device.type == "cuda":
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(grad.device)
-            self._stream.wait_stream(torch.cuda.current_stream(grad.device))
-            with torch.cuda.stream(self._stream):
-                buffer.copy_(grad, non_blocking=True)
-            grad.record_stream(self._stream)
-        else:
-            buffer.copy_(grad)
+        with host_memory(grad):
+            self._copy_out(grad, self._buffer(p, grad))
         self._copied[p] = grad._version
         if self.offload_gradients:
             p.grad = None
@@ -151,35 +141,41 @@ class HostOptimizer(torch.optim.Optimizer):
     def receive(self, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
         """The planned backward graph hands over `p`'s gradient, which it then frees on the device
         (passes/host_gradients.py): copied into `p`'s host buffer, or added to what earlier micro-batches left
-        there. On a GPU the copy runs on a side stream into pinned memory (a micro-batch's copy lands in a
-        staging buffer, added once the stream is synchronized). Host buffers are host memory, written outside
-        any dispatch mode: on the CPU a device meter (MemTracker) sees them no more than CUDA's allocator
-        sees pinned memory."""
-        from torch.utils._python_dispatch import _disable_current_modes
-
-        with _disable_current_modes(), torch.no_grad():
-            buffer = self._grads.get(p)
-            if buffer is None:
-                buffer = self._grads[p] = torch.empty(grad.shape, dtype=grad.dtype, device="cpu",
-                                                      pin_memory=grad.device.type == "cuda")
-            accumulating = p in self._sunk
-            if grad.device.type != "cuda":
-                buffer.add_(grad) if accumulating else buffer.copy_(grad)
+        there (on a GPU a micro-batch's copy lands in a staging buffer, added once the side stream is
+        synchronized)."""
+        with host_memory(grad), torch.no_grad():
+            buffer = self._buffer(p, grad)
+            if p not in self._sunk:
+                self._copy_out(grad, buffer)
+            elif grad.device.type != "cuda":
+                buffer.add_(grad)
             else:
-                if accumulating:
-                    self._settle()
-                    if p not in self._staged:
-                        self._staged[p] = torch.empty_like(buffer, pin_memory=True)
-                target = self._staged[p] if accumulating else buffer
-                if self._stream is None:
-                    self._stream = torch.cuda.Stream(grad.device)
-                self._stream.wait_stream(torch.cuda.current_stream(grad.device))
-                with torch.cuda.stream(self._stream):
-                    target.copy_(grad, non_blocking=True)
-                grad.record_stream(self._stream)
-                if accumulating:
-                    self._pending.append(p)
-            self._sunk.add(p)
+                self._settle()
+                if p not in self._staged:
+                    self._staged[p] = torch.empty_like(buffer, pin_memory=True)
+                self._copy_out(grad, self._staged[p])
+                self._pending.append(p)
+        self._sunk.add(p)
+
+    def _buffer(self, p: torch.nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
+        """`p`'s gradient's host buffer (pinned for a GPU's gradient), made at its first use."""
+        if p not in self._grads:
+            self._grads[p] = torch.empty(grad.shape, dtype=grad.dtype, device="cpu",
+                                         pin_memory=grad.device.type == "cuda")
+        return self._grads[p]
+
+    def _copy_out(self, grad: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy `grad` into the host tensor `target`: on a GPU on the side stream, after the work that made it,
+        without waiting (the allocator keeps `grad`'s memory until the copy is done)."""
+        if grad.device.type != "cuda":
+            target.copy_(grad)
+            return
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(grad.device)
+        self._stream.wait_stream(torch.cuda.current_stream(grad.device))
+        with torch.cuda.stream(self._stream):
+            target.copy_(grad, non_blocking=True)
+        grad.record_stream(self._stream)
 
     def _settle(self) -> None:
         """Wait for the side stream's copies, and add the staged micro-batches into their host buffers."""
@@ -300,6 +296,16 @@ def place_for_plan(optimizer: HostOptimizer | None, module: torch.nn.Module, ste
     sink = getattr(getattr(step, "planner", None), "gradient_sink", None)
     if sink is not None:
         sink.connect(lambda name, grad: optimizer.receive(params[name], grad))
+
+
+def host_memory(value: torch.Tensor) -> Any:
+    """Where a host buffer or copy for `value` is made and written: outside any dispatch mode, so that on the
+    CPU a device meter (MemTracker) sees host memory no more than CUDA's allocator sees pinned memory; under
+    a fake mode (planning, fake-device meters) as any tensor, a fake host tensor."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return contextlib.nullcontext() if isinstance(value, FakeTensor) else _disable_current_modes()
 
 
 def _stepped_instead(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

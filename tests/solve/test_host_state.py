@@ -43,3 +43,18 @@ def test_refuses_inconsistent_input():
         costs(grads=(1,))
     with pytest.raises(ValueError, match="positive"):
         costs(update_bytes_per_s=0.0)
+
+
+def test_gradients_streamed_in_backward_hide_behind_it():
+    """Copies issued as each gradient is made run beside the rest of backward: a long backward hides them all
+    but the last one's tail; with no side stream (backward_s None) they are waited for whole."""
+    c = costs()
+    out, back = c.copy_seconds(3)
+    update = c.update_seconds(3)
+    assert c.host_gradient_seconds(3, None) == out + update + back
+    assert c.streamed_seconds(3, 0.0) == out  # no backward to hide behind
+    long = c.streamed_seconds(3, 100.0)
+    assert long == pytest.approx(4 / 4.0)  # the last gradient, ready as backward ends, copied after it
+    seconds = [c.streamed_seconds(3, b) for b in (0.0, 1.0, 4.0, 100.0)]
+    assert seconds == sorted(seconds, reverse=True)
+    assert c.host_gradient_seconds(3, 100.0) == long + update + back < c.exposed_seconds(3, 0.0)

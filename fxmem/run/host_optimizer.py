@@ -152,7 +152,7 @@ class HostOptimizer(torch.optim.Optimizer):
             else:
                 self._settle()
                 if p not in self._staged:
-                    self._staged[p] = torch.empty_like(buffer, pin_memory=True)
+                    self._staged[p] = torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=True)
                 self._copy_out(grad, self._staged[p])
                 self._pending.append(p)
         self._sunk.add(p)

@@ -22,6 +22,7 @@ import dataclasses
 from typing import Callable
 
 from fxmem.errors import InfeasibleBudgetError
+from fxmem.passes.host_gradients import to_host
 from fxmem.planner.plan import Plan
 from fxmem.planner.resident import LABEL
 from fxmem.solve.host_state import HostStateCosts
@@ -71,7 +72,8 @@ def with_host_state(plan: Plan, costs: HostStateCosts, count: int, names: tuple[
         plan, host_state_bytes=costs.host_bytes(count), host_parameters=names[:count], host_update_s=update,
         host_copy_s=out + back, predicted_step_s=plan.predicted_step_s + exposed_copies + update,
         exposed_transfer_s=plan.exposed_transfer_s + exposed_copies, host_options=options,
-        host_link=plan.host_link or "", host_gradients=names[:grads], host_gradient_bytes=sum(costs.grads[:grads]))
+        host_link=plan.host_link or "", host_gradients=names[:grads], host_gradient_bytes=sum(costs.grads[:grads]),
+        fallback_ops=tuple(op for op in plan.fallback_ops if op != to_host.__name__))  # no FLOPs: its copy is priced here
 
 
 def streams_gradients(request) -> bool:

@@ -65,6 +65,7 @@ def test_a_budget_only_host_gradients_meet_is_planned_with_them(only_host_gradie
     refused = next(row for row in plan.host_options if row["mix"] == ALL_HOST)
     assert refused["step_s"] is None and refused["least_bytes"] > budget
     assert "gradients on the host" in plan.table() and "moved to the host inside backward" in plan.table()
+    assert "to_host" not in plan.fallback_ops  # the copies are priced as copies, not as an op of the graph
     assert Plan.from_json(plan.to_json()) == plan
 
 

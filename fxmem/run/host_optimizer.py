@@ -18,6 +18,7 @@ placement says, without a detour through the device.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Callable, Iterable
 
 import torch
@@ -47,6 +48,7 @@ class HostOptimizer(torch.optim.Optimizer):
         super().__init__(groups, optimizer.defaults)
         self.optimizer_class = type(optimizer)
         self.offload_gradients = bool(offload_gradients)
+        self.said_host_gradients = False  # the log line saying where a plan's host gradients are, once
         for p, state in optimizer.state.items():
             self.state[p] = dict(state)
         self._host: dict[torch.nn.Parameter, torch.Tensor] = {}  # parameter -> its host copy
@@ -296,6 +298,11 @@ def place_for_plan(optimizer: HostOptimizer | None, module: torch.nn.Module, ste
     sink = getattr(getattr(step, "planner", None), "gradient_sink", None)
     if sink is not None:
         sink.connect(lambda name, grad: optimizer.receive(params[name], grad))
+        if not optimizer.said_host_gradients:
+            optimizer.said_host_gradients = True
+            logging.getLogger("fxmem").warning(
+                "fxmem: the gradients of %d parameters live on the host (Plan.host_gradients), their .grad None: clip "
+                "with the module's fxmem_optimizer.clip_grad_norm_, which sees them", len(sink.names))
 
 
 def host_memory(value: torch.Tensor) -> Any:

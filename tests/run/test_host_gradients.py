@@ -79,7 +79,7 @@ def optimized(budget: int, plan: Plan | None = None, lr: float = 1e-2):
 
 
 @pytest.mark.parametrize("micro_batches", [1, 2])
-def test_trains_as_eager_adamw(only_host_gradients, micro_batches):
+def test_trains_as_eager_adamw(only_host_gradients, micro_batches, caplog):
     """3 steps (of 2 accumulated micro-batches: added into the host buffers), clipped by norm, a scheduler:
     bit for bit torch.optim.AdamW's parameters; backward leaves no device gradient for the host part."""
     budget, _ = only_host_gradients
@@ -101,6 +101,8 @@ def test_trains_as_eager_adamw(only_host_gradients, micro_batches):
             o.zero_grad()
             scheduler.step()
     assert step.plan.host_gradients
+    said = [r.getMessage() for r in caplog.records if "live on the host" in r.getMessage()]
+    assert len(said) == 1 and "clip_grad_norm_" in said[0]  # once, naming the clipping that sees them
     for (name, a), b in zip(reference.named_parameters(), trained.parameters()):
         assert torch.equal(a, b), name
     state = opt.state_dict()  # torch's format: a torch AdamW loads it, and it loads theirs

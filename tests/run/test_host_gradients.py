@@ -124,3 +124,20 @@ def test_measured_peak_within_budget_and_below_device_gradients(only_host_gradie
     on_device = dataclasses.replace(plan, host_gradients=(), host_gradient_bytes=0)
     _, device_step = optimized(budget, on_device)
     assert measure_peak_bytes(device_step, (), tokens(2)) > later
+
+
+def test_a_saved_plan_moves_the_gradients_it_names(only_host_gradients, tmp_path):
+    _, plan = only_host_gradients
+    plan.save(tmp_path / "plan.json")
+    reference = model()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    trained, step = optimized(0, Plan.load(tmp_path / "plan.json"))
+    step(**tokens(3)).loss.backward()
+    reference(**tokens(3)).loss.backward()
+    opt = step.fxmem_optimizer
+    named = dict(trained.named_parameters())
+    assert opt._sunk == {named[name] for name in plan.host_gradients}
+    opt.step()
+    ref_opt.step()
+    for (name, a), b in zip(reference.named_parameters(), trained.parameters()):
+        assert torch.equal(a, b), name

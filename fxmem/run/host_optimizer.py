@@ -152,7 +152,8 @@ class HostOptimizer(torch.optim.Optimizer):
             elif grad.device.type != "cuda":
                 buffer.add_(grad)
             else:
-                self._settle()
+                if p in self._pending:  # its staging buffer still holds the last micro-batch's copy
+                    self._settle()
                 if p not in self._staged:
                     self._staged[p] = torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=True)
                 self._copy_out(grad, self._staged[p])

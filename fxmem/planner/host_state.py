@@ -35,7 +35,8 @@ OVERLAP_S = 0.0
 BACKWARD_SHARE = 2 / 3
 ALL_HOST, FITTED, KEEP_ALL, ALL_DEVICE = ("all on the host", "the plan's activations, least state on the host",
                                           "keep-all, least state on the host", "all on the device")
-ALL_HOST_GRADS = "all on the host, gradients too"
+ALL_HOST_GRADS, MOST_DEVICE_GRADS = ("all on the host, gradients too",
+                                     "least state and gradients on the host, recomputing what that needs")
 MOST_DEVICE = "least state on the host, recomputing what that needs"
 
 
@@ -112,6 +113,10 @@ def plan_with_host_state(request, plan_at: Callable[..., Plan], margin_bytes: in
                       "least_bytes": costs.total_state + floor, "least": "bound"},)
     else:
         hosted = plan_at(0)  # its refusal is the least with every byte of state off the device
+    streamed = tried[0][1] if tried else None  # all the state and gradients on the host
+    if streamed is not None:
+        partial = _least_streamed(costs, plan_at, request.budget_bytes, names, streamed)
+        tried += [partial] if partial is not None else []
     if hosted is not None:
         found, rows = _device_gradient_mixes(request, plan_at, costs, hosted, margin_bytes)
         tried = found + tried
@@ -125,8 +130,29 @@ def plan_with_host_state(request, plan_at: Callable[..., Plan], margin_bytes: in
     _, plan, count, grads = tried[best]
     plan = with_host_state(plan, costs, count, names, options + rows, grads, _backward_s(request, plan),
                            grads * request.device.param_overhead_s)
-    least = tried[-1][1] if streams_gradients(request) else hosted
-    return dataclasses.replace(plan, min_budget_bytes=least.min_budget_bytes)
+    return dataclasses.replace(plan, min_budget_bytes=(streamed or hosted).min_budget_bytes)
+
+
+def _least_streamed(costs: HostStateCosts, plan_at: Callable[..., Plan], budget: int, names: tuple[str, ...],
+                    streamed: Plan) -> tuple[str, Plan, int, int] | None:
+    """The fewest parameters whose state and gradients on the host let the graphs fit at their least (found by
+    `streamed`'s search, else by planning them at the parameters' bytes alone, refused naming it), taking the other
+    parameters' gradients, back on the device, to add at most their bytes; planned, or None."""
+    graphs_least = streamed.min_budget_bytes
+    if graphs_least is None:
+        probe = budget - streamed.breakdown.get("parameters, buffers and inputs", 0)
+        try:
+            plan_at(probe, names)
+            return None
+        except InfeasibleBudgetError as exc:
+            graphs_least = exc.min_budget_bytes - probe
+    count = costs.least_count_with_gradients(budget - graphs_least)
+    if count is None or count >= costs.count:
+        return None
+    try:
+        return MOST_DEVICE_GRADS, plan_at(costs.device_bytes(count), names[:count]), count, count
+    except InfeasibleBudgetError:
+        return None
 
 
 def _device_gradient_mixes(request, plan_at: Callable[..., Plan], costs: HostStateCosts, hosted: Plan,

@@ -87,6 +87,12 @@ class HostStateCosts:
         streamed = out if backward_s is None else self.streamed_seconds(count, backward_s)
         return streamed + self.update_seconds(count) + back
 
+    def least_count_with_gradients(self, device_room: int) -> int | None:
+        """The fewest parameters whose state and gradients on the host leave at most `device_room` bytes of both
+        on the device (None: not even all of them on the host does)."""
+        left = list(accumulate(s + g for s, g in zip(reversed(self.state), reversed(self.grads))))[::-1] + [0]
+        return next((count for count, on_device in enumerate(left) if on_device <= device_room), None)
+
     def least_count(self, device_room: int) -> int | None:
         """The fewest parameters whose state on the host leaves at most `device_room` bytes of state on the
         device (None: not even all of it on the host does)."""

@@ -2,19 +2,23 @@
 
 Reads the request's trainable parameters (name, optimizer-state bytes, value bytes, in the order backward
 produces their gradients), the target's host link and the host CPU's update rate (`fxmem.price.host_update`),
-and a function that plans the step's graphs with a given number of state bytes on the device (raising
+and a function that plans the step's graphs with a given number of state bytes on the device and the named
+parameters' gradients moved to the host inside backward (passes/host_gradients.py; raising
 `InfeasibleBudgetError` where nothing fits). Writes nothing; returns the chosen Plan, its `host_*` fields
 and `host_options` filled (the mixes considered, for the table).
 
-The mixes considered (`fxmem.solve.host_state` prices each): all the state on the host (planned first: where
-it does not fit, nothing does, and its refusal names the least with the state on the host); that plan's
-activations with the least state on the host that still fits them; the keep-all step (nothing recomputed or
-offloaded) with the least state on the host that fits it; all the state on the device; and, where that does
-not fit, the least state on the host that the graphs fit beside at their least budget (recomputing what
-they must; that least found by one more refused plan where not known). The one of least
-predicted step time (its exposed copies and host update counted) is chosen, ties to less state on the host.
-Mixes between these, recomputing part of what the last one recomputes, are not searched. The gradients' copies
-are counted whole (`OVERLAP_S`).
+The mixes considered (`fxmem.solve.host_state` prices each). Where the backward graph can move gradients
+(`streams_gradients`): all the state and gradients on the host (planned first: where it does not fit,
+nothing does, and its refusal names the least of all), and the least state and gradients on the host beside
+the graphs at their least (the other gradients, back on the device, counted at their bytes). With the
+gradients on the device: all the state on the host; that plan's activations with the least state on the host
+that still fits them; the keep-all step (nothing recomputed or offloaded) with the least state on the host
+that fits it; all the state on the device; and, where that does not fit, the least state on the host that
+the graphs fit beside at their least budget (recomputing what they must; that least found by one more
+refused plan where not known). The one of least predicted step time (its exposed copies and host update
+counted) is chosen, ties to the gradients on the device, then to less state on the host. Mixes between
+these are not searched. Gradients returned by backward are copied after it, whole (`OVERLAP_S`); those moved
+inside it beside the rest of backward on a GPU (`BACKWARD_SHARE`).
 """
 from __future__ import annotations
 

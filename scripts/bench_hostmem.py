@@ -98,7 +98,7 @@ def main() -> None:
               f"{made.optimizer_state_bytes / GIB:.2f} GiB on the device; peak {made.predicted_peak_bytes / GIB:.2f} "
               f"GiB, step {made.predicted_step_s:.3f} s (host update {made.host_update_s:.3f} s, exposed transfers "
               f"{made.exposed_transfer_s:.3f} s, recompute {len(made.recompute)} ops, {len(made.offload)} offloaded)")
-        print(f"  {'mix':54s} {'state on device':>16s} {'grads on host':>14s} {'peak':>10s} {'step':>10s}")
+        print(f"  {'mix':68s} {'state on device':>16s} {'grads on host':>14s} {'peak':>10s} {'step':>10s}")
         for row in made.host_options:
             if row["step_s"] is None:
                 what = "least" if row.get("least") == "found" else "needs at least"
@@ -106,7 +106,7 @@ def main() -> None:
             else:
                 figures = f"{row['peak_bytes'] / GIB:8.2f} G {row['step_s']:9.3f}s"
             mark = "* " if row["chosen"] else "  "
-            print(f"{mark}{row['mix']:54s} {row['device_state_bytes'] / GIB:14.2f} G "
+            print(f"{mark}{row['mix']:68s} {row['device_state_bytes'] / GIB:14.2f} G "
                   f"{row.get('host_gradient_bytes', 0) / GIB:12.2f} G {figures}")
 
 

@@ -3,7 +3,8 @@
 parameters under bf16 autocast, AdamW) built on the meta device, planned for a GPU (default h100) at
 several budgets with `fxmem.plan(..., optimizer="adamw", offload=True)`. Per budget, the mixes the planner
 considered (fxmem.planner.host_state): the state on the device (refused, with its least budget, where it
-does not fit), all of it on the host, and the planner's choice, each with its predicted peak and step time
+does not fit), all of it on the host, all of it and the gradients on the host (each gradient moved out inside
+backward, passes/host_gradients.py), and the planner's choice, each with its predicted peak and step time
 (the host update and the copies' exposed time included). Also the least budget with the state on the
 device (`optimizer=2.0`: AdamW's state bytes, pinned to the device). Nothing runs: no weights exist.
 
@@ -11,6 +12,7 @@ The host update's rate is this machine's CPU (fxmem.price.host_update) unless --
 
 examples:
   python scripts/bench_hostmem.py                           # 8B, 1x2048, h100, budgets 80 60 40 GiB
+  python scripts/bench_hostmem.py --budgets 80 40 35 --host-gbps 1.2   # down to the gradients on the host
   python scripts/bench_hostmem.py --layers 2 --budgets 20 12  # a quick look
   python scripts/bench_hostmem.py --host-gbps 20 --fused    # a server CPU's fused AdamW, as you measured it
 """
@@ -91,11 +93,12 @@ def main() -> None:
             print(f"{budget:g} GiB: refused with the state on the host too: least {exc.min_budget_bytes / GIB:.2f} GiB")
             continue
         print(f"\n{budget:g} GiB (planned in {time.perf_counter() - started:.0f} s): {made.host_state_bytes / GIB:.2f} "
-              f"GiB of state on the host ({len(made.host_parameters)} parameters), "
+              f"GiB of state on the host ({len(made.host_parameters)} parameters; {made.host_gradient_bytes / GIB:.2f} "
+              f"GiB of gradients with it), "
               f"{made.optimizer_state_bytes / GIB:.2f} GiB on the device; peak {made.predicted_peak_bytes / GIB:.2f} "
               f"GiB, step {made.predicted_step_s:.3f} s (host update {made.host_update_s:.3f} s, exposed transfers "
               f"{made.exposed_transfer_s:.3f} s, recompute {len(made.recompute)} ops, {len(made.offload)} offloaded)")
-        print(f"  {'mix':54s} {'state on device':>16s} {'peak':>10s} {'step':>10s}")
+        print(f"  {'mix':68s} {'state on device':>16s} {'grads on host':>14s} {'peak':>10s} {'step':>10s}")
         for row in made.host_options:
             if row["step_s"] is None:
                 what = "least" if row.get("least") == "found" else "needs at least"
@@ -103,7 +106,8 @@ def main() -> None:
             else:
                 figures = f"{row['peak_bytes'] / GIB:8.2f} G {row['step_s']:9.3f}s"
             mark = "* " if row["chosen"] else "  "
-            print(f"{mark}{row['mix']:54s} {row['device_state_bytes'] / GIB:14.2f} G {figures}")
+            print(f"{mark}{row['mix']:68s} {row['device_state_bytes'] / GIB:14.2f} G "
+                  f"{row.get('host_gradient_bytes', 0) / GIB:12.2f} G {figures}")
 
 
 if __name__ == "__main__":

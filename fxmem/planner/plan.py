@@ -160,6 +160,8 @@ class Plan:
     host_update_s: float = 0.0  # their update on the host CPU (in predicted_step_s)
     host_copy_s: float = 0.0  # their gradients out, values back over the host link (exposed: in exposed_transfer_s)
     host_options: tuple[dict, ...] = ()  # the mixes considered (fxmem.planner.host_state): one dict each
+    host_gradients: tuple[str, ...] = ()  # parameters whose gradients backward moves to the host (passes/host_gradients.py)
+    host_gradient_bytes: int = 0  # those gradients' bytes: in host memory, not in the peaks
     eager_peak_bytes: int | None = None  # PyTorch eager's step, MemTracker on fake tensors (fxmem.trace.eager_meter)
     capture: str = ""  # how the step was captured: one graph (and by which tracer) or Dynamo's graph k of n
     loss: str = ""  # where the step's loss is: in the plan (loss_fn, the model's own) or outside it
@@ -309,7 +311,7 @@ def _upgrade(data: dict[str, Any]) -> dict[str, Any]:
 def _typed(data: dict[str, Any]) -> dict[str, Any]:
     """JSON values as the Plan's field types: tuples for sequences, rows and sections as dataclasses."""
     data = dict(data)
-    for key in ("recompute", "saved", "offload", "fallback_ops", "host_parameters"):
+    for key in ("recompute", "saved", "offload", "fallback_ops", "host_parameters", "host_gradients"):
         data[key] = tuple(data.get(key, ()))
     data["host_options"] = tuple(dict(row) for row in data.get("host_options", ()))
     data["nodes"] = tuple(NodeRow(**row) for row in data.get("nodes", ()))

@@ -34,6 +34,7 @@ from fxmem.price.memory import (
     simulate_step,
 )
 from fxmem.passes.dropout_backward import eager_dropout_backward
+from fxmem.passes.host_gradients import host_gradient_joint
 from fxmem.passes.offload import offload, offload_pass
 from fxmem.passes.pool import pool_pass, pool_stats
 from fxmem.passes.recompute import partition, recompute_pass
@@ -94,6 +95,7 @@ class PlanRequest:
     # in gradient order, and the host CPU's update rate (parameter bytes/s); the planner decides (planner/host_state.py)
     host_state: tuple[tuple[str, int, int], ...] = ()
     host_update_bytes_per_s: float = 0.0
+    primal_names: tuple[str, ...] = ()  # the joint graph's parameter inputs by name, in order (passes/host_gradients.py)
     held_bytes: tuple[int, int] = (0, 0)  # what the step's other graphs hold during this graph's forward, backward
     capture: str = ""  # how the graph was captured, for the plan's table
     loss: str = ""  # where the step's loss is (fxmem.trace.loss), for the plan's table
@@ -121,6 +123,7 @@ class Planner:
     def __init__(self, request: PlanRequest):
         self.request = request
         self.plan: Plan | None = None
+        self.gradient_sink = None  # where the backward graph's host gradients go (passes/host_gradients.py)
         self._seconds: dict[str, float] = {}  # per joint node, for timing offload copies
         self._views: frozenset[str] = frozenset()
         self.allocator = EXACT  # what the target device's allocator holds beside the tensors
@@ -142,6 +145,7 @@ class Planner:
                 self._price_copies(estimate(joint, device))
         else:
             plan, link = self._make_plan(joint, fingerprint), self.request.device.host_link
+        joint, self.gradient_sink = host_gradient_joint(joint, plan.host_gradients, self.request.primal_names)
         graphs = StepGraphs(joint, num_fwd_outputs, seconds=self._seconds, host_link=link, pool=self.request.pool,
                             replay_ops=self.request.replay_ops)
         with stage("rewrite"):
@@ -221,8 +225,9 @@ class Planner:
         place (device or host) decided with it (`fxmem.planner.host_state`)."""
         request = self.request
         if request.offload and request.host_state and request.budget_bytes is not None and request.policy is None:
-            return plan_with_host_state(request, lambda state: self._resident_plan(joint, fingerprint, state),
-                                        self.margin.bytes_for(request.budget_bytes))
+            return plan_with_host_state(request, lambda state, grads=(): self._resident_plan(
+                host_gradient_joint(joint, grads, request.primal_names)[0], fingerprint, state),
+                self.margin.bytes_for(request.budget_bytes))
         return self._resident_plan(joint, fingerprint, request.resident_bytes)
 
     def _resident_plan(self, joint: torch.fx.GraphModule, fingerprint: str, state_bytes: int) -> Plan:

@@ -204,22 +204,21 @@ def _host_rows(plan: Any) -> list[list[str]]:
     """Where the optimizer's state lives (device / host) and what each place costs (fxmem.planner.host_state)."""
     if not plan.host_options:
         return []
-    rows = [["optimizer state", f"{fmt_bytes(plan.optimizer_state_bytes)} on the device, "
-                                f"{fmt_bytes(plan.host_state_bytes)} on the host ({len(plan.host_parameters)} "
-                                "parameters' state; their gradients copied out in backward, updated on the host CPU)"]]
+    grads = (f"their gradients moved to the host inside backward ({fmt_bytes(plan.host_gradient_bytes)}, freed on the "
+             "device)" if plan.host_gradients else "their gradients copied out after backward")
+    rows = [["optimizer state", f"{fmt_bytes(plan.optimizer_state_bytes)} on the device, {fmt_bytes(plan.host_state_bytes)}"
+                                f" on the host ({len(plan.host_parameters)} parameters' state; {grads}, updated on the host CPU)"]]
     if plan.host_parameters:
         rows.append(["host state's cost", f"update on the host CPU {plan.host_update_s * 1e3:,.1f} ms, copies "
                                           f"{plan.host_copy_s * 1e3:,.1f} ms over {plan.host_link or 'the host link'} "
                                           "(in the step time: the update, the values' copy back, the gradients' copies "
                                           "beyond backward)"])
     for row in plan.host_options:
-        if row["step_s"] is None:
-            least = "least" if row.get("least") == "found" else "its state, parameters and gradients alone need"
-            figure = f"refused ({least} {fmt_bytes(row['least_bytes'])})"
-        else:
-            figure = f"peak {fmt_bytes(row['peak_bytes'])}, step {row['step_s'] * 1e3:,.2f} ms"
-        rows.append([f"  {'* ' if row['chosen'] else ''}{row['mix']}",
-                     f"state on the device {fmt_bytes(row['device_state_bytes'])}: {figure}"])
+        least = "least" if row.get("least") == "found" else "its state, parameters and gradients alone need"
+        figure = f"refused ({least} {fmt_bytes(row['least_bytes'])})" if row["step_s"] is None else \
+            f"peak {fmt_bytes(row['peak_bytes'])}, step {row['step_s'] * 1e3:,.2f} ms"
+        rows.append([f"  {'* ' if row['chosen'] else ''}{row['mix']}", f"state on the device {fmt_bytes(row['device_state_bytes'])}"
+                     f"{', gradients on the host' if row.get('host_gradient_bytes') else ''}: {figure}"])
     return rows
 
 

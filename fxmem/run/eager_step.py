@@ -42,7 +42,7 @@ def eager_plan(plan: Plan, eager_peak: int) -> Plan | None:
     if plan.host_state_bytes:  # eager's peak was measured with the whole optimizer state on the device
         state = plan.optimizer_state_bytes + plan.host_state_bytes
         plan = dataclasses.replace(plan, optimizer_state_bytes=state, host_state_bytes=0, host_parameters=(),
-                                   host_update_s=0.0, host_copy_s=0.0,
+                                   host_update_s=0.0, host_copy_s=0.0, host_gradients=(), host_gradient_bytes=0,
                                    breakdown={**plan.breakdown, "optimizer state": state},
                                    host_options=tuple({**row, "chosen": False} for row in plan.host_options))
     return dataclasses.replace(plan, runs_eagerly=True, predicted_peak_bytes=total,

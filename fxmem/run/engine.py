@@ -42,7 +42,7 @@ from fxmem.trace.step import Step, planned_step
 from fxmem.trace.meta_device import planned_on
 from fxmem.passes.dropout_backward import eager_dropout_backward
 from fxmem.planner.plan import Plan, graph_fingerprint
-from fxmem.run.host_optimizer import HostOptimizer
+from fxmem.run.host_optimizer import HostOptimizer, place_for_plan
 from fxmem.planner.planner import Planner, PlanRequest
 from fxmem.planner.policies import PolicyError
 from fxmem.progress import planning
@@ -75,9 +75,7 @@ class CompiledStep:
                  compiler: Callable[..., Any] = boxed_nop, inner: str = "aot_eager"):
         self.gm, self.planner = gm, planner
         self.runner = _GraphRunner(gm)
-        own = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
-        own |= {name for name, _ in gm.named_buffers(remove_duplicate=False)}
-        self.state_names = [n for n, _ in model_state(model) if n in own]
+        self.state_names = graph_state_names(model, gm)
         model_names = {n for n, _ in model_state(model)}
         self.constants = {n: b for n, b in gm.named_buffers() if n not in model_names}
         self.out_spec: pytree.TreeSpec | None = None
@@ -125,6 +123,13 @@ def model_state(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return list(model.named_parameters()) + list(model.named_buffers())
 
 
+def graph_state_names(model: torch.nn.Module, gm: torch.fx.GraphModule) -> list[str]:
+    """The model's parameters and buffers the captured graph reads, in the order its joint graph takes them."""
+    own = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+    own |= {name for name, _ in gm.named_buffers(remove_duplicate=False)}
+    return [n for n, _ in model_state(model) if n in own]
+
+
 def trace_on_fakes(step: CompiledStep, model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """Run `step`'s forward once on fake tensors: AOTAutograd traces the joint graph and calls the
     planner; nothing real is computed or allocated."""
@@ -159,10 +164,10 @@ def _planned(model: torch.nn.Module, gm: torch.fx.GraphModule, args: Sequence[An
     at its first call, which applies the plan. Without `compile_step`, the plan alone, traced without
     compiling (the step in its place only carries the planner)."""
     if request.inner != "aot_eager":  # Inductor traces its own joint graph
-        step = CompiledStep(model, gm, Planner(captured_as(request, gm)), inner=request.inner)
+        step = CompiledStep(model, gm, Planner(captured_as(request, gm, model)), inner=request.inner)
         trace_on_fakes(step, model, args, kwargs)
         return step.planner.plan, step
-    planner = KeepingPlanner(captured_as(request, gm))
+    planner = KeepingPlanner(captured_as(request, gm, model))
     key = key_of(model, gm, args, kwargs)
     found = kept(key)
     if found is None and compile_step:
@@ -187,10 +192,11 @@ def traced_joint(model: torch.nn.Module, gm: torch.fx.GraphModule, args: Sequenc
         CompiledStep(model, gm, partitioner), model, args, kwargs))
 
 
-def captured_as(request: PlanRequest, gm: torch.fx.GraphModule) -> PlanRequest:
-    """`request`, saying the step was captured as one graph and by which tracer."""
+def captured_as(request: PlanRequest, gm: torch.fx.GraphModule, model: torch.nn.Module) -> PlanRequest:
+    """`request`, saying the step was captured as one graph and by which tracer, with its inputs' names."""
     tracer = tag(gm, CAPTURE, "")
-    return dataclasses.replace(request, capture=f"one graph ({tracer})" if tracer else "one graph")
+    return dataclasses.replace(request, capture=f"one graph ({tracer})" if tracer else "one graph",
+                               primal_names=tuple(graph_state_names(model, gm)))
 
 
 def signature_of(model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
@@ -343,9 +349,9 @@ class OptimizedModule(ModelWrapper):
                             step = plan_with_rewrites(gm, request, lambda graph, req: _planned(
                                 module, graph, args, kwargs, req))[1]
                     else:
-                        step = CompiledStep(module, gm, Planner(captured_as(request, gm)), inner=request.inner)
+                        step = CompiledStep(module, gm, Planner(captured_as(request, gm, module)), inner=request.inner)
                 out = step(dict(model_state(module)), args, kwargs)  # the first call traces and plans
-                self._place_state(module, step)
+                place_for_plan(self.fxmem_optimizer, module, step)
                 return step, out
             except TraceError as exc:  # not one graph: Dynamo's graphs, under the same budget
                 from fxmem.run.dynamo.step import DynamoStep
@@ -356,15 +362,6 @@ class OptimizedModule(ModelWrapper):
 
                 step = DynamoStep(module, dataclasses.replace(request, refuse_at_bound=False), exc)
                 return step, step(args, kwargs)
-
-    def _place_state(self, module: torch.nn.Module, step: Any) -> None:
-        """Put the optimizer state of the parameters the new plan names on the host (`fxmem_optimizer`), the
-        rest on the device, before the step's backward copies their gradients."""
-        plans = getattr(step, "plans", None)
-        if self.fxmem_optimizer is None or not plans:
-            return
-        params = dict(module.named_parameters())
-        self.fxmem_optimizer.place([params[name] for name in plans[-1].host_parameters])
 
     def _saw_backward(self, key: tuple, step: CompiledStep, state: bwa.State, held: list) -> None:
         """Backward of `step` ran under `state`: if its graph is not eager's backward there, warn (once) and

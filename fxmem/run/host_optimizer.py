@@ -17,6 +17,8 @@ placement says, without a detour through the device.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 from typing import Any, Callable, Iterable
 
 import torch
@@ -46,13 +48,17 @@ class HostOptimizer(torch.optim.Optimizer):
         super().__init__(groups, optimizer.defaults)
         self.optimizer_class = type(optimizer)
         self.offload_gradients = bool(offload_gradients)
+        self.said_host_gradients = False  # the log line saying where a plan's host gradients are, once
         for p, state in optimizer.state.items():
             self.state[p] = dict(state)
         self._host: dict[torch.nn.Parameter, torch.Tensor] = {}  # parameter -> its host copy
         self._grads: dict[torch.nn.Parameter, torch.Tensor] = {}  # parameter -> its gradient's host buffer
         self._copied: dict[torch.nn.Parameter, int] = {}  # copied this step: the gradient's version then
         self._values: dict[torch.nn.Parameter, int] = {}  # the parameter's version when its host copy was equal
+        self._sunk: set[torch.nn.Parameter] = set()  # its host buffer holds backward's gradient (passes/host_gradients.py)
+        self._staged: dict[torch.nn.Parameter, torch.Tensor] = {}  # a GPU micro-batch's copy, to add once landed
         self._hooks: list[Any] = []
+        self._pending: list[torch.nn.Parameter] = []
         self._stream = None
         self._place(())
         optimizer.register_step_pre_hook(_stepped_instead)  # its state would grow beside ours, on the device
@@ -81,7 +87,7 @@ class HostOptimizer(torch.optim.Optimizer):
         chosen = set(host)
         self._host = {p: self._host.get(p) if p in self._host else self._host_copy(p)
                       for g in self.param_groups for p in g["params"] if p in chosen}
-        self._grads = {p: self._grads[p] for p in self._host if p in self._grads}
+        self._grads = {p: buffer for p, buffer in self._grads.items() if p in self._host or p in self._sunk}
         for p in list(self.state):  # state follows its parameter
             where = torch.device("cpu") if p in self._host else p.device
             self.state[p] = {k: _moved(v, where) for k, v in self.state[p].items()}
@@ -111,7 +117,8 @@ class HostOptimizer(torch.optim.Optimizer):
         return {k: v for k, v in self.param_groups[i].items() if k != "params"}
 
     def _host_copy(self, p: torch.nn.Parameter) -> torch.Tensor:
-        copy = p.detach().to("cpu", copy=True)
+        with host_memory(p):
+            copy = p.detach().to("cpu", copy=True)
         self._values[p] = p._version
         return copy.pin_memory() if p.device.type == "cuda" else copy
 
@@ -127,27 +134,71 @@ class HostOptimizer(torch.optim.Optimizer):
         grad = p.grad
         if grad is None:
             return
-        buffer = self._grads.get(p)
-        if buffer is None:
-            buffer = torch.empty(grad.shape, dtype=grad.dtype, device="cpu",
-                                 pin_memory=grad.device.type == "cuda")
-            self._grads[p] = buffer
-        if grad.device.type == "cuda":
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(grad.device)
-            self._stream.wait_stream(torch.cuda.current_stream(grad.device))
-            with torch.cuda.stream(self._stream):
-                buffer.copy_(grad, non_blocking=True)
-            grad.record_stream(self._stream)
-        else:
-            buffer.copy_(grad)
+        with host_memory(grad):
+            self._copy_out(grad, self._buffer(p, grad))
         self._copied[p] = grad._version
         if self.offload_gradients:
             p.grad = None
 
+    def receive(self, p: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        """The planned backward graph hands over `p`'s gradient, which it then frees on the device
+        (passes/host_gradients.py): copied into `p`'s host buffer, or added to what earlier micro-batches left
+        there (on a GPU a micro-batch's copy lands in a staging buffer, added once the side stream is
+        synchronized)."""
+        with host_memory(grad), torch.no_grad():
+            buffer = self._buffer(p, grad)
+            if p not in self._sunk:
+                self._copy_out(grad, buffer)
+            elif grad.device.type != "cuda":
+                buffer.add_(grad)
+            else:
+                if p in self._pending:  # its staging buffer still holds the last micro-batch's copy
+                    self._settle()
+                if p not in self._staged:
+                    self._staged[p] = torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=True)
+                self._copy_out(grad, self._staged[p])
+                self._pending.append(p)
+        self._sunk.add(p)
+
+    def _buffer(self, p: torch.nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
+        """`p`'s gradient's host buffer (pinned for a GPU's gradient), made at its first use."""
+        if p not in self._grads:
+            self._grads[p] = torch.empty(grad.shape, dtype=grad.dtype, device="cpu",
+                                         pin_memory=grad.device.type == "cuda")
+        return self._grads[p]
+
+    def _copy_out(self, grad: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy `grad` into the host tensor `target`: on a GPU on the side stream, after the work that made it,
+        without waiting (the allocator keeps `grad`'s memory until the copy is done)."""
+        if grad.device.type != "cuda":
+            target.copy_(grad)
+            return
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(grad.device)
+        self._stream.wait_stream(torch.cuda.current_stream(grad.device))
+        with torch.cuda.stream(self._stream):
+            target.copy_(grad, non_blocking=True)
+        grad.record_stream(self._stream)
+
+    def _settle(self) -> None:
+        """Wait for the side stream's copies, and add the staged micro-batches into their host buffers."""
+        self._sync()
+        for p in self._pending:
+            self._grads[p].add_(self._staged[p])
+        self._pending.clear()
+
     def _host_grad(self, p: torch.nn.Parameter) -> torch.Tensor | None:
         """`p`'s gradient on the host: the copy backward started, copied again where the device gradient
-        changed since (clipping, unscaling) or was never copied (None: no gradient this step)."""
+        changed since (clipping, unscaling) or was never copied (None: no gradient this step). Where backward
+        moved it to the host (`receive`), the host buffer, with any gradient a micro-batch planned otherwise
+        left in `.grad` added in (and `.grad` let go)."""
+        if p in self._sunk:
+            self._settle()
+            buffer = self._grads[p]
+            if p.grad is not None:
+                buffer.add_(p.grad.detach().to("cpu"))
+                p.grad = None
+            return buffer
         grad = p.grad
         if grad is not None and self._copied.get(p) != grad._version:
             self._grad_ready(p)
@@ -164,13 +215,14 @@ class HostOptimizer(torch.optim.Optimizer):
         """`torch.nn.utils.clip_grad_norm_` over every parameter's gradient, the host copies included
         (needed with `offload_gradients`, where the device holds no gradient for the host part)."""
         self._sync()
-        pairs = [(p, self._host_grad(p) if p in self._host else p.grad) for g in self.param_groups for p in g["params"]]
+        pairs = [(p, self._host_grad(p) if p in self._host or p in self._sunk else p.grad)
+                 for g in self.param_groups for p in g["params"]]
         pairs = [(p, grad) for p, grad in pairs if grad is not None]
         total = torch.nn.utils.get_total_norm([grad for _, grad in pairs], norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_ scales
         for p, grad in pairs:
             grad.mul_(coef.to(grad.device))
-            if p in self._host and p.grad is not None:  # the device's gradient too, where it is kept
+            if p in self._host and p not in self._sunk and p.grad is not None:  # the device's too, where kept
                 p.grad.mul_(coef.to(p.grad.device))
                 self._copied[p] = p.grad._version
         return total
@@ -186,6 +238,9 @@ class HostOptimizer(torch.optim.Optimizer):
             if opt is not None:
                 for i, group in zip(opt.fxmem_groups, opt.param_groups):
                     group.update(self._options(i))  # a scheduler's learning rate, the user's changes
+        for p in [p for p in self._sunk if p not in self._host]:  # placed on the device since backward moved it
+            p.grad = self._host_grad(p).to(p.device)
+            self._sunk.discard(p)
         if self._device_opt is not None:
             self._device_opt.step()
         if self._host_opt is not None:
@@ -209,11 +264,14 @@ class HostOptimizer(torch.optim.Optimizer):
                     if p in self._device_opt.state:
                         self.state[p] = self._device_opt.state[p]
         self._copied.clear()
+        self._sunk.clear()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         self._copied.clear()
+        self._sunk.clear()
+        self._pending.clear()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's format (this optimizer's or a torch optimizer's over the same parameters): the host part's
@@ -227,6 +285,35 @@ class HostOptimizer(torch.optim.Optimizer):
             if i in host_ids and i in saved:
                 self.state[p] = {k: _moved(v, torch.device("cpu"), like=p) for k, v in saved[i].items()}
         self._place(list(self._host))
+
+
+def place_for_plan(optimizer: HostOptimizer | None, module: torch.nn.Module, step: Any) -> None:
+    """Put the optimizer state of the parameters the step's new plan names on the host, the rest on the
+    device, and connect the step's backward graph to `optimizer` for the gradients it moves to the host
+    (passes/host_gradients.py): done before the step's first backward."""
+    plans = getattr(step, "plans", None)
+    if optimizer is None or not plans:
+        return
+    params = dict(module.named_parameters())
+    optimizer.place([params[name] for name in plans[-1].host_parameters])
+    sink = getattr(getattr(step, "planner", None), "gradient_sink", None)
+    if sink is not None:
+        sink.connect(lambda name, grad: optimizer.receive(params[name], grad))
+        if not optimizer.said_host_gradients:
+            optimizer.said_host_gradients = True
+            logging.getLogger("fxmem").warning(
+                "fxmem: the gradients of %d parameters live on the host (Plan.host_gradients), their .grad None: clip "
+                "with the module's fxmem_optimizer.clip_grad_norm_, which sees them", len(sink.names))
+
+
+def host_memory(value: torch.Tensor) -> Any:
+    """Where a host buffer or copy for `value` is made and written: outside any dispatch mode, so that on the
+    CPU a device meter (MemTracker) sees host memory no more than CUDA's allocator sees pinned memory; under
+    a fake mode (planning, fake-device meters) as any tensor, a fake host tensor."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return contextlib.nullcontext() if isinstance(value, FakeTensor) else _disable_current_modes()
 
 
 def _stepped_instead(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -10,6 +10,11 @@ whose gradients are ready first, so their copies could overlap most of backward)
   backward graph does): exposed where the copies take longer;
 - the update on the host CPU, and the new values copied back before the next forward: exposed whole
   (the device waits for them, as torchao's CPUOffloadOptimizer and ZeRO-Offload without overlap do).
+
+With the gradients on the host too (passes/host_gradients.py: each copied out inside the backward graph as it
+is made, then freed there), the copies are issued as each gradient is ready: on a target with a side stream
+(a GPU) they run beside the rest of backward and only what outlasts it is exposed (`streamed_seconds`: gradient
+i taken ready once backward has made the share of all gradients' bytes up to it); without one, whole.
 """
 from __future__ import annotations
 
@@ -64,6 +69,29 @@ class HostStateCosts:
         """What the step waits for: gradient copies beyond `overlap_s` of backward, the host update, the copy back."""
         out, back = self.copy_seconds(count)
         return max(0.0, out - overlap_s) + self.update_seconds(count) + back
+
+    def streamed_seconds(self, count: int, backward_s: float) -> float:
+        """What the first `count` gradients' copies, each issued as backward makes it and run one after another
+        on a side stream, take beyond the end of backward (`backward_s`)."""
+        total = sum(self.grads) or 1
+        made, done = 0, 0.0
+        for grad in self.grads[:count]:
+            made += grad
+            done = max(done, backward_s * made / total) + grad / self.link_bytes_per_s + self.link_latency_s
+        return max(0.0, done - backward_s)
+
+    def host_gradient_seconds(self, count: int, backward_s: float | None) -> float:
+        """What the step waits for with the first `count` parameters' state and gradients on the host: the
+        gradients' copies beyond backward (`backward_s` None: no side stream, whole), the update, the copy back."""
+        out, back = self.copy_seconds(count)
+        streamed = out if backward_s is None else self.streamed_seconds(count, backward_s)
+        return streamed + self.update_seconds(count) + back
+
+    def least_count_with_gradients(self, device_room: int) -> int | None:
+        """The fewest parameters whose state and gradients on the host leave at most `device_room` bytes of both
+        on the device (None: not even all of them on the host does)."""
+        left = list(accumulate(s + g for s, g in zip(reversed(self.state), reversed(self.grads))))[::-1] + [0]
+        return next((count for count, on_device in enumerate(left) if on_device <= device_room), None)
 
     def least_count(self, device_room: int) -> int | None:
         """The fewest parameters whose state on the host leaves at most `device_room` bytes of state on the

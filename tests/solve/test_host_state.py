@@ -43,3 +43,29 @@ def test_refuses_inconsistent_input():
         costs(grads=(1,))
     with pytest.raises(ValueError, match="positive"):
         costs(update_bytes_per_s=0.0)
+
+
+def test_gradients_streamed_in_backward_hide_behind_it():
+    """Copies issued as each gradient is made run beside the rest of backward: a long backward hides them all
+    but the last one's tail; with no side stream (backward_s None) they are waited for whole."""
+    c = costs()
+    out, back = c.copy_seconds(3)
+    update = c.update_seconds(3)
+    assert c.host_gradient_seconds(3, None) == out + update + back
+    assert c.streamed_seconds(3, 0.0) == out  # no backward to hide behind
+    long = c.streamed_seconds(3, 100.0)
+    assert long == pytest.approx(4 / 4.0)  # the last gradient, ready as backward ends, copied after it
+    seconds = [c.streamed_seconds(3, b) for b in (0.0, 1.0, 4.0, 100.0)]
+    assert seconds == sorted(seconds, reverse=True)
+    assert c.host_gradient_seconds(3, 100.0) == long + update + back < c.exposed_seconds(3, 0.0)
+
+
+def test_least_count_with_gradients_leaves_at_most_the_room():
+    c = costs()
+    for room in range(-1, 60):
+        count = c.least_count_with_gradients(room)
+        if room < 0:
+            assert count is None
+            continue
+        left = lambda k: c.device_bytes(k) + sum(c.grads[k:])  # noqa: E731
+        assert left(count) <= room and (count == 0 or left(count - 1) > room)

@@ -14,7 +14,8 @@ The number of chunks the loss was computed in (`fxmem.planner.loss_chunks`) is k
 captured graph's structure: a new shape plans that count first and searches only where it does not fit. Within
 one search over chunk counts (`one_step`), each count after the first starts from the decision of the count
 before (the blocks' nodes keep their names), its slack spent, and is solved afresh only where that does not fit;
-inside `seeds_only` it is not solved at all there (`SeedDoesNotFit`).
+inside `seeds_only` it is not solved at all there (`SeedDoesNotFit`). A model's next graph of another structure (its
+step with the outputs dropped, after the one that held them) starts from the model's last decision (`seeded_by`).
 
 Reads joint graphs and planner requests; writes nothing but the in-process memos (`MEMO_SIZE` entries each).
 """
@@ -123,7 +124,24 @@ def one_step() -> Iterator[None]:
     """Plans made inside are of one step (the graphs of its loss in several chunk counts, `fxmem.planner.loss_chunks`):
     each after the first starts from the decision the one before chose (`seeded`)."""
     outer = getattr(_step, "seed", None)
-    _step.seed = frozenset()
+    _step.seed = outer or frozenset()  # the first graph from the decision `seeded_by` gives, where one does
+    try:
+        yield
+    finally:
+        _step.seed = outer
+
+
+@contextlib.contextmanager
+def seeded_by(names: frozenset[str]) -> Iterator[None]:
+    """Plans made inside start from the decision `names` (recomputed nodes, by name) as `one_step`'s later graphs
+    do (`seeded`), where its names are candidates of theirs: the model's last plan, for a graph of another
+    structure (the step that drops its outputs, once the loop is seen dropping them, after the one that held
+    them; nodes keep their names). Nothing where `names` is empty."""
+    if not names:
+        yield
+        return
+    outer = getattr(_step, "seed", None)
+    _step.seed = frozenset(names)
     try:
         yield
     finally:

@@ -43,6 +43,7 @@ from fxmem.trace.meta_device import planned_on
 from fxmem.passes.dropout_backward import eager_dropout_backward
 from fxmem.planner.plan import Plan, graph_fingerprint
 from fxmem.run.host_optimizer import HostOptimizer, place_for_plan
+from fxmem.planner import shape_reuse
 from fxmem.planner.planner import Planner, PlanRequest
 from fxmem.planner.policies import PolicyError
 from fxmem.progress import planning
@@ -235,7 +236,7 @@ class OptimizedModule(ModelWrapper):
             loss_options = (loss_options[0], True, loss_options[2])
         super().__init__(model, _make_request=make_request, _steps={}, _backward_ran={}, _loss_options=loss_options,
                          _fixed_plan=fixed_plan, _last=None, _loop=LoopWatch() if learning else None,
-                         fxmem_optimizer=optimizer)
+                         fxmem_optimizer=optimizer, _decision=frozenset())  # the last plan's recomputed nodes
 
     @property
     def plans(self) -> list[Plan]:
@@ -332,12 +333,12 @@ class OptimizedModule(ModelWrapper):
         request = dataclasses.replace(self._make_request(module, args, kwargs), loss=loss,
                                       resident_gradient_bytes=grads.bytes, resident_gradients=grads.description,
                                       refuse_at_bound=refuse_at_bound)
-        if request.inner == "inductor":  # its fused step can hold less than the unfused step's lower bound
-            request = dataclasses.replace(request, refuse_at_bound=False)
+        if request.inner == "inductor" or request.host_state:  # a fused step can hold less than the unfused step's
+            request = dataclasses.replace(request, refuse_at_bound=False)  # bound; host-state mixes compare leasts
         warn_unplanned_gradients(request.plan, grads)
         log.info("fxmem: planning %s %s", request.model, request.signature)
         with planning(f"planning {request.model} {short_signature(request.signature)}", request.time_limit_s), \
-                stepped.naming_held_outputs():
+                stepped.naming_held_outputs(), shape_reuse.seeded_by(self._decision):  # from the last plan's decision
             step = _eager_or_planned(module, args, kwargs, request, stepped.eager_peak)
             if isinstance(step, EagerStep):
                 return step, step(args, kwargs)
@@ -351,6 +352,7 @@ class OptimizedModule(ModelWrapper):
                     else:
                         step = CompiledStep(module, gm, Planner(captured_as(request, gm, module)), inner=request.inner)
                 out = step(dict(model_state(module)), args, kwargs)  # the first call traces and plans
+                object.__setattr__(self, "_decision", frozenset(step.plans[-1].recompute if step.plans else ()))
                 place_for_plan(self.fxmem_optimizer, module, step)
                 return step, out
             except TraceError as exc:  # not one graph: Dynamo's graphs, under the same budget

@@ -54,6 +54,7 @@ def test_the_loop_is_seen_at_backward_and_every_call_is_within_budget():
     # the third call runs the dropped plan and is seen holding its output; the fourth keeps the logits alone
     assert planned_for == [HELD, DROPPED, DROPPED, HELD, HELD]
     assert len(optimized.plans) == 2 and all(p.recompute for p in optimized.plans)
+    assert optimized.plans[1].solver.startswith("seeded")  # the dropped step starts from the held one's decision
     assert optimized.fxmem_model.transformer.h[0].mlp.c_fc.weight.grad is not None
 
 

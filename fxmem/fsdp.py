@@ -27,9 +27,11 @@ import torch.distributed as dist
 from fxmem import api
 from fxmem.budget import budget_bytes as to_bytes
 from fxmem.errors import FxmemError, InfeasibleBudgetError, fmt_bytes
+from fxmem.dist.fsdp_depth import depths_for, extrapolate, shallow
 from fxmem.dist.fsdp_fake import fake_copy
 from fxmem.dist.fsdp_memory import RankParts, rank_parts
 from fxmem.dist.fsdp_root import RootTail, run_tail
+from fxmem.dist.fsdp_search import Search
 from fxmem.measure import measure_peak_bytes
 from fxmem.trace.loss import Boundary
 from fxmem.trace.meta_device import is_meta_model
@@ -37,8 +39,7 @@ from fxmem.price.optimizer_state import bytes_per_param_byte
 from fxmem.planner.plan import Plan
 from fxmem.run import joint_cache
 
-MAX_ROUNDS = 5  # block budgets tried per plan (each one a block plan and a simulated rank step)
-CLOSE = 0.01    # a plan within 1% below the budget is taken
+MAX_ROUNDS = 5  # block budgets solved per plan beyond whole-step's (each simulated where it may fit)
 
 
 @dataclass(frozen=True)
@@ -218,10 +219,28 @@ def fake_group(world_size: int) -> Iterator[Any]:
 
 
 def rank_peak(model: torch.nn.Module, inputs: Sequence[Any], kwargs: dict | None, plan: FsdpPlan,
-              optimizer: Any = None, *, fake: bool = True, device: Any = None) -> tuple[int, RankParts]:
+              optimizer: Any = None, *, fake: bool = True, device: Any = None,
+              whole: bool = False) -> tuple[int, RankParts]:
     """One rank's step peak (MemTracker, fake process group, a copy of `model`), optimizer state included.
     With `fake` (the default) the copy, its inputs and the whole step are fake tensors (`fxmem.dist.fsdp_fake`;
-    `device`: the `DeviceSpec` a meta model is planned for); otherwise a real copy runs one real step."""
+    `device`: the `DeviceSpec` a meta model is planned for); otherwise a real copy runs one real step. A rank
+    of more than 4 identical blocks is simulated with 2, 3 and 4 of them and extrapolated along the line they
+    lie on (`fxmem.dist.fsdp_depth`), unless `whole` (or they lie on no line): then with all of them."""
+    depths = None if whole else depths_for(model.get_submodule(plan.blocks))
+    if depths is not None:
+        figures = {d: _simulated(shallow(model, plan.blocks, d), inputs, kwargs, plan, optimizer, fake, device)
+                   for d in depths}
+        line = extrapolate({d: {"peak": peak, **parts.as_dict()} for d, (peak, parts) in figures.items()},
+                           len(model.get_submodule(plan.blocks)))
+        if line is not None:
+            peak = line.pop("peak")
+            return peak, RankParts(**line)
+    return _simulated(model, inputs, kwargs, plan, optimizer, fake, device)
+
+
+def _simulated(model: torch.nn.Module, inputs: Sequence[Any], kwargs: dict | None, plan: FsdpPlan,
+               optimizer: Any, fake: bool, device: Any) -> tuple[int, RankParts]:
+    """`rank_peak` of `model` as it is: one step of all its blocks."""
     copied = fake_copy(model, inputs, kwargs, device) if fake else contextlib.nullcontext((copy.deepcopy(model), inputs, kwargs))
     with joint_cache.forgotten_after(), fake_group(plan.world_size) as mesh, copied as (model, inputs, kwargs):
         sharded = shard(model, mesh, plan)
@@ -279,99 +298,63 @@ def plan_fsdp(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget
     """Plan one rank of an FSDP2 job of `world_size` ranks under `budget_gb` per rank. The rank runs
     eagerly where that fits; otherwise the root's step after the blocks (norm, head, loss) runs fxmem's
     plan at its least (the loss in chunks) where the simulated rank holds less with it, and where the rank
-    still does not fit, every block runs one fxmem block plan, planned under the block budget that makes
-    the rank's simulated peak fit (at most `rounds` block budgets, each one block plan and one simulated step).
+    still does not fit, every block runs one fxmem block plan, chosen for the rank's peak, not one block's
+    (`fxmem.dist.fsdp_search`: a byte a block saves is held by every block; at most `rounds` block budgets
+    solved beyond the whole-step plan, each simulated where it may fit), else torch's checkpoint on every block.
     `model` is unsharded, on the CPU or the meta device (built under `torch.device("meta")`: no weights; the
-    rank is simulated on fake tensors either way); `target`: the device (`DeviceSpec` or preset name) the
-    block plans are priced for, default the CPU. `root=False` keeps the root eager (a transformers model
-    then returns its logits beside the loss, which the planned root leaves out). Call before any process
-    group exists (or offline) and
-    give the plan to every rank (`FsdpPlan.save` / `load`), so every rank runs the same one."""
+    rank is simulated on fake tensors either way, with 2, 3 and 4 of its blocks where they are identical,
+    `rank_peak`); `target`: the device (`DeviceSpec` or preset name) the block plans are priced for, default
+    the CPU; `time_limit_s`: each block and root plan's solver effort. `root=False` keeps the root eager (a
+    transformers model then returns its logits beside the loss, which the planned root leaves out). Call
+    before any process group exists (or offline) and give the plan to every rank (`FsdpPlan.save` / `load`),
+    so every rank runs the same one."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    budget = to_bytes(budget_gb)
+    return _plan_fsdp(model, example_inputs, to_bytes(budget_gb), world_size, example_kwargs, optimizer, blocks,
+                      reshard_after_forward, time_limit_s, rounds, target, root)
+
+
+def _plan_fsdp(model: torch.nn.Module, example_inputs: Sequence[Any], budget: int | None, world_size: int,
+               example_kwargs: dict | None, optimizer: Any, blocks: str | None, reshard_after_forward: bool,
+               time_limit_s: float, rounds: int, target: Any, root: bool) -> FsdpPlan:
     path, units = block_list(model, blocks)
     spec = api.device_spec(target, model=model)
 
-    def simulate(trial: FsdpPlan) -> tuple[int, RankParts]:
-        return rank_peak(model, example_inputs, example_kwargs, trial, optimizer, device=spec)
-    plan = FsdpPlan(world_size, path, reshard_after_forward, budget, 0)
-    eager, parts = simulate(plan)
-    plan = _with(plan, eager, parts, None, eager)
+    def simulate(trial: FsdpPlan) -> FsdpPlan:
+        return _with(trial, *rank_peak(model, example_inputs, example_kwargs, trial, optimizer, device=spec),
+                     trial.block_plan, eager)
+    eager = 0
+    plan = simulate(FsdpPlan(world_size, path, reshard_after_forward, budget, 0))
+    eager = plan.predicted_peak_bytes
+    plan = replace(plan, eager_peak_bytes=eager)
     if budget is None or eager <= budget:
         return plan
     args, kw, hidden = block_io(model, path, example_inputs, example_kwargs, spec)
-    root_plan, base = plan_root(model, path, hidden, example_inputs, example_kwargs, spec) if root else None, eager
+    root_plan = plan_root(model, path, hidden, example_inputs, example_kwargs, spec, time_limit_s) if root else None
     if root_plan is not None:  # the rank simulated with it, taken where it holds less than the eager root
-        rooted = replace(plan, root_plan=root_plan)
-        rooted = _with(rooted, *simulate(rooted), None, eager)
+        rooted = simulate(replace(plan, root_plan=root_plan))
         if rooted.predicted_peak_bytes <= budget:
             return rooted
-        root_plan, base = (root_plan, rooted.predicted_peak_bytes) if rooted.predicted_peak_bytes < eager else (None, eager)
-    block = units[0]
-    with quiet():
-        keep = api.plan(block, args, example_kwargs=kw, model_loss=False, target=spec)
-    points = [(keep.predicted_peak_bytes, base)]  # (block peak, rank peak); keep-all ~ eager blocks
-    tried: dict[tuple, FsdpPlan] = {}  # block plan -> the rank it gives (another budget may give the same plan)
-    target, best, best_at, over_at, least, last = keep.predicted_peak_bytes - (base - budget), None, 0, \
-        keep.predicted_peak_bytes, 0, None
-    for _ in range(rounds):
-        target = int(max(target, least, 1))  # below the least, the block planner names the least
-        try:
-            with quiet():
-                block_plan = api.plan(block, args, target / 2**30, example_kwargs=kw, model_loss=False,
-                                      time_limit_s=time_limit_s, target=spec)
-        except InfeasibleBudgetError as exc:
-            least = target = exc.min_budget_bytes
-            continue
-        at = block_plan.predicted_peak_bytes  # a plan is placed by its block peak
-        key = (at, block_plan.extra_flops_pct)  # the same decision, met again at another block budget
-        if key in tried or best is not None and at <= best_at:
-            break  # a decision met before, or one below the best that fits: the search has settled
-        if key not in tried:
-            trial = FsdpPlan(world_size, path, reshard_after_forward, budget, 0, block_plan=block_plan.to_dict(),
-                             root_plan=root_plan)
-            tried[key] = _with(trial, *simulate(trial),
-                               block_plan.to_dict(), eager)
-        last = tried[key]
-        peak = last.predicted_peak_bytes
-        points.append((at, peak))
-        if peak <= budget and (best is None or at > best_at):
-            best, best_at = last, at
-        elif peak > budget:
-            over_at = min(over_at, at)
-        if peak > budget and target <= least or 0 <= budget - peak <= CLOSE * budget:
-            break
-        target = _next_target(points, budget, best_at if best is not None else least, over_at)
-        if target is None:
-            break
-    if best is None:  # the block plan that saves least for backward, then torch's checkpoint on every block
+        plan, root_plan = (rooted, root_plan) if rooted.predicted_peak_bytes < eager else (plan, None)
+
+    def plan_block(block_budget: int | None = None, policy: str | None = None) -> Plan:
         with quiet():
-            whole = api.plan(block, args, example_kwargs=kw, model_loss=False, target=spec, policy="whole-step")
-        trial = FsdpPlan(world_size, path, reshard_after_forward, budget, 0, block_plan=whole.to_dict(),
-                         root_plan=root_plan)
-        whole_rank = _with(trial, *simulate(trial), whole.to_dict(), eager)
-        full = FsdpPlan(world_size, path, reshard_after_forward, budget, 0, checkpoint_blocks=True, root_plan=root_plan)
-        full = _with(full, *simulate(full), None, eager)
-        tried_all = [whole_rank, full] + ([last] if last else [])
-        lowest = min(tried_all, key=lambda p: p.predicted_peak_bytes)
-        fitting = [p for p in tried_all[:2] if p.predicted_peak_bytes <= budget]
-        if fitting:  # fxmem's whole-step plan first: it recomputes just before each reader, torch's all at once
-            return fitting[0]
-        raise InfeasibleBudgetError(budget, lowest.predicted_peak_bytes, lowest.parts, proven=False)
-    return best
+            return api.plan(units[0], args, None if block_budget is None else block_budget / 2**30, example_kwargs=kw,
+                            model_loss=False, time_limit_s=time_limit_s, target=spec, policy=policy)
+    whole = plan_block(policy="whole-step")  # the least a block saves: every block's inputs
 
-
-def _next_target(points: list[tuple[int, int]], budget: int, low: int, high: int) -> int | None:
-    """The block budget whose rank peak meets `budget` on the line through the last two trials (the rank
-    holds several blocks' activations, so it moves faster than the block's budget), kept strictly inside
-    (`low`, `high`): the best block budget that fits and the least that did not."""
-    (b1, r1), (b2, r2) = points[-2:]
-    slope = (r1 - r2) / (b1 - b2) if b1 != b2 and r1 != r2 else 1.0
-    guess = b2 + (budget - r2) / max(slope, 1e-3)
-    if not low < guess < high:
-        guess = (low + high) / 2
-    return int(guess) if high - low > CLOSE * budget else None
+    def with_blocks(block_plan: Plan) -> FsdpPlan:
+        return simulate(replace(plan, block_plan=block_plan.to_dict(), root_plan=root_plan))
+    search = Search(len(units), budget, plan_block, with_blocks, rounds)
+    chosen = search.run(whole, whole.baseline_peak_bytes, plan.predicted_peak_bytes)
+    ranks = [rank for _, rank in search.ranks]
+    if chosen is not None:
+        return next(rank for block_plan, rank in search.ranks if block_plan is chosen)
+    full = simulate(replace(plan, checkpoint_blocks=True, root_plan=root_plan))
+    if full.predicted_peak_bytes <= budget:
+        return full
+    lowest = min([*ranks, full], key=lambda p: p.predicted_peak_bytes)
+    raise InfeasibleBudgetError(budget, lowest.predicted_peak_bytes, lowest.parts, proven=False)
 
 
 def _with(plan: FsdpPlan, peak: int, parts: RankParts, block_plan: dict | None, eager: int = 0) -> FsdpPlan:
@@ -380,14 +363,14 @@ def _with(plan: FsdpPlan, peak: int, parts: RankParts, block_plan: dict | None, 
 
 
 def plan_root(model: torch.nn.Module, path: str, hidden: Any, inputs: Sequence[Any], kwargs: dict | None,
-              spec: Any) -> dict | None:
+              spec: Any, time_limit_s: float = 10.0) -> dict | None:
     """The plan of the root's step after the blocks (`fxmem.dist.fsdp_root.RootTail`: final norm, head,
     loss) at its least peak, the loss in as many chunks as that needs; None where fxmem cannot plan it (a
     last block that returns no tensor, a model whose output has no loss: nothing to chunk)."""
     if not isinstance(hidden, torch.Tensor):
         return None
     tail, args = RootTail(model, path), (hidden, *inputs)
-    options = {"example_kwargs": kwargs, "target": spec, "keep_outputs": False}  # transformers' logits: left out
+    options = {"example_kwargs": kwargs, "target": spec, "keep_outputs": False, "time_limit_s": time_limit_s}  # transformers' logits: left out
     try:
         try:  # a budget below any plan's: the refusal names the least
             api.plan(tail, args, 1 / 2**30, **options)

@@ -106,27 +106,33 @@ def block_list(model: torch.nn.Module, blocks: str | None = None) -> tuple[str, 
 
 
 def shard(model: torch.nn.Module, mesh: Any, plan: FsdpPlan | None = None, blocks: str | None = None,
-          reshard_after_forward: bool = True) -> torch.nn.Module:
+          reshard_after_forward: bool = True, steps: dict | None = None) -> torch.nn.Module:
     """`fully_shard` every block, then the root (torchtitan's wrapping), in place; with a plan whose blocks
-    recompute, every block runs the plan's block step (FSDP2 gathers its parameters around it)."""
+    recompute, every block runs the plan's block step (FSDP2 gathers its parameters around it). `steps`: the
+    compiled block and root steps of earlier `shard`s (simulated ranks', kept by the caller), by their plans,
+    taken instead of compiling again where the plan is the same; filled where empty."""
     from torch.distributed._composable import checkpoint
     from torch.distributed.fsdp import fully_shard
     if plan is not None:
         blocks, reshard_after_forward = plan.blocks, plan.reshard_after_forward
     _, units = block_list(model, blocks)
     block_plan = plan.block() if plan is not None else None
-    first = None
+    steps = {} if steps is None else steps
+    block_key = ("block", json.dumps(plan.block_plan, sort_keys=True)) if block_plan is not None else None
+    first = steps.get(block_key)
     for block in units:
         cls = type(block)
         if plan is not None and plan.checkpoint_blocks:
             checkpoint(block)  # torch's composable checkpoint: the parameters keep their names
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
         if block_plan is not None:
-            first = _install(block, cls, block_plan, first)
+            first = steps[block_key] = _install(block, cls, block_plan, first)
     if plan is not None and plan.root_plan is not None:  # after the last block, the root's planned step runs
         root = plan.root()
         keep = {"keep_outputs": False} if root.loss == Boundary("field").text(keep_outputs=False) else {}
-        run_tail(model, blocks, api.optimize(RootTail(model, blocks), plan=root, **keep))
+        step = api.optimize(RootTail(model, blocks), plan=root, **keep)
+        _share(step, steps.setdefault(("root", json.dumps(plan.root_plan, sort_keys=True)), step))
+        run_tail(model, blocks, step)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
     return model
 
@@ -144,12 +150,16 @@ def _install(block: torch.nn.Module, cls: type, block_plan: Plan, first: Any = N
             twin.__dict__[key] = value
     with quiet():
         step = api.optimize(twin, plan=block_plan, model_loss=False)
-    if first is not None:
-        object.__setattr__(step, "_steps", first._steps)
-        object.__setattr__(step, "_backward_ran", first._backward_ran)
+    _share(step, first or step)
     block.forward = lambda *args, **kwargs: _quiet_call(step, args, kwargs)
     block.__dict__["fxmem_step"] = step  # what `forward` runs (its `.plan`); not a submodule: it shares the dicts
     return first if first is not None else step
+
+
+def _share(step: torch.nn.Module, first: torch.nn.Module) -> None:
+    """`step` runs `first`'s compiled steps (a step takes the parameters at each call)."""
+    object.__setattr__(step, "_steps", first._steps)
+    object.__setattr__(step, "_backward_ran", first._backward_ran)
 
 
 def _quiet_call(step: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -219,19 +229,28 @@ def fake_group(world_size: int) -> Iterator[Any]:
 
 
 def rank_peak(model: torch.nn.Module, inputs: Sequence[Any], kwargs: dict | None, plan: FsdpPlan,
-              optimizer: Any = None, *, fake: bool = True, device: Any = None,
-              whole: bool = False) -> tuple[int, RankParts]:
+              optimizer: Any = None, *, fake: bool = True, device: Any = None, whole: bool = False,
+              checked: bool = True, memo: dict | None = None) -> tuple[int, RankParts]:
     """One rank's step peak (MemTracker, fake process group, a copy of `model`), optimizer state included.
     With `fake` (the default) the copy, its inputs and the whole step are fake tensors (`fxmem.dist.fsdp_fake`;
     `device`: the `DeviceSpec` a meta model is planned for); otherwise a real copy runs one real step. A rank
     of more than 4 identical blocks is simulated with 2, 3 and 4 of them and extrapolated along the line they
-    lie on (`fxmem.dist.fsdp_depth`), unless `whole` (or they lie on no line): then with all of them."""
+    lie on (`fxmem.dist.fsdp_depth`), unless `whole` (or they lie on no line): then with all of them. Without
+    `checked`, with 2 and 3 only (the line assumed: a search's trials); `memo` keeps each depth's figures
+    for the plan, so checking a trial later simulates depth 4 alone."""
     depths = None if whole else depths_for(model.get_submodule(plan.blocks))
     if depths is not None:
-        figures = {d: _simulated(shallow(model, plan.blocks, d), inputs, kwargs, plan, optimizer, fake, device)
-                   for d in depths}
-        line = extrapolate({d: {"peak": peak, **parts.as_dict()} for d, (peak, parts) in figures.items()},
-                           len(model.get_submodule(plan.blocks)))
+        memo = {} if memo is None else memo
+        figures = {}
+        for depth in depths if checked else depths[:2]:
+            trial = replace(plan, budget_bytes=None, predicted_peak_bytes=0, parts={}, eager_peak_bytes=0).to_json()
+            key, steps = (depth, trial), memo.setdefault("steps", {})  # the trials share compiled steps
+            if key not in memo:
+                peak, parts = _simulated(shallow(model, plan.blocks, depth), inputs, kwargs, plan, optimizer, fake,
+                                         device, steps)
+                memo[key] = {"peak": peak, **parts.as_dict()}
+            figures[depth] = memo[key]
+        line = extrapolate(figures, len(model.get_submodule(plan.blocks)))
         if line is not None:
             peak = line.pop("peak")
             return peak, RankParts(**line)
@@ -239,11 +258,11 @@ def rank_peak(model: torch.nn.Module, inputs: Sequence[Any], kwargs: dict | None
 
 
 def _simulated(model: torch.nn.Module, inputs: Sequence[Any], kwargs: dict | None, plan: FsdpPlan,
-               optimizer: Any, fake: bool, device: Any) -> tuple[int, RankParts]:
-    """`rank_peak` of `model` as it is: one step of all its blocks."""
+               optimizer: Any, fake: bool, device: Any, steps: dict | None = None) -> tuple[int, RankParts]:
+    """`rank_peak` of `model` as it is: one step of all its blocks (`steps`: as for `shard`)."""
     copied = fake_copy(model, inputs, kwargs, device) if fake else contextlib.nullcontext((copy.deepcopy(model), inputs, kwargs))
     with joint_cache.forgotten_after(), fake_group(plan.world_size) as mesh, copied as (model, inputs, kwargs):
-        sharded = shard(model, mesh, plan)
+        sharded = shard(model, mesh, plan, steps=steps)
         step = measure_peak_bytes(sharded, inputs, kwargs) + keyword_input_bytes(inputs, kwargs)
         parts = rank_parts(sharded_bytes(sharded), unit_bytes(sharded, plan.blocks), plan.world_size,
                            bytes_per_param_byte(optimizer), plan.reshard_after_forward, step,
@@ -319,41 +338,49 @@ def _plan_fsdp(model: torch.nn.Module, example_inputs: Sequence[Any], budget: in
                time_limit_s: float, rounds: int, target: Any, root: bool) -> FsdpPlan:
     path, units = block_list(model, blocks)
     spec = api.device_spec(target, model=model)
+    memo: dict = {}  # each depth's figures per trial: a trial checked later simulates depth 4 alone
 
-    def simulate(trial: FsdpPlan) -> FsdpPlan:
-        return _with(trial, *rank_peak(model, example_inputs, example_kwargs, trial, optimizer, device=spec),
-                     trial.block_plan, eager)
+    def simulate(trial: FsdpPlan, checked: bool = False) -> FsdpPlan:
+        figures = rank_peak(model, example_inputs, example_kwargs, trial, optimizer, device=spec, checked=checked, memo=memo)
+        return _with(trial, *figures, trial.block_plan, eager)
     eager = 0
-    plan = simulate(FsdpPlan(world_size, path, reshard_after_forward, budget, 0))
+    plan = simulate(FsdpPlan(world_size, path, reshard_after_forward, budget, 0), checked=True)
     eager = plan.predicted_peak_bytes
     plan = replace(plan, eager_peak_bytes=eager)
     if budget is None or eager <= budget:
         return plan
     args, kw, hidden = block_io(model, path, example_inputs, example_kwargs, spec)
     root_plan = plan_root(model, path, hidden, example_inputs, example_kwargs, spec, time_limit_s) if root else None
-    if root_plan is not None:  # the rank simulated with it, taken where it holds less than the eager root
-        rooted = simulate(replace(plan, root_plan=root_plan))
-        if rooted.predicted_peak_bytes <= budget:
-            return rooted
-        plan, root_plan = (rooted, root_plan) if rooted.predicted_peak_bytes < eager else (plan, None)
 
     def plan_block(block_budget: int | None = None, policy: str | None = None) -> Plan:
         with quiet():
             return api.plan(units[0], args, None if block_budget is None else block_budget / 2**30, example_kwargs=kw,
                             model_loss=False, time_limit_s=time_limit_s, target=spec, policy=policy)
-    whole = plan_block(policy="whole-step")  # the least a block saves: every block's inputs
 
     def with_blocks(block_plan: Plan) -> FsdpPlan:
         return simulate(replace(plan, block_plan=block_plan.to_dict(), root_plan=root_plan))
+
+    def fitting(trial: FsdpPlan) -> FsdpPlan | None:  # checked at depth 4 (or simulated whole) and still fitting
+        trial = simulate(trial, checked=True)
+        return trial if trial.predicted_peak_bytes <= budget else None
+    whole = plan_block(policy="whole-step")  # the least a block saves: every block's inputs
+    keep_rank = eager
+    # the planned root holds less than the eager one in its own step and returns the loss alone, so it is kept;
+    # with eager blocks it is simulated where whole-step blocks fit with it (eager blocks hold more than they)
+    if root_plan is not None and with_blocks(whole).predicted_peak_bytes <= budget:
+        rooted = simulate(replace(plan, root_plan=root_plan))
+        if rooted.predicted_peak_bytes <= budget and (found := fitting(rooted)) is not None:
+            return found
+        keep_rank = rooted.predicted_peak_bytes
     search = Search(len(units), budget, plan_block, with_blocks, rounds)
-    chosen = search.run(whole, whole.baseline_peak_bytes, plan.predicted_peak_bytes)
+    chosen = search.run(whole, whole.baseline_peak_bytes, keep_rank)
     ranks = [rank for _, rank in search.ranks]
-    if chosen is not None:
-        return next(rank for block_plan, rank in search.ranks if block_plan is chosen)
+    if chosen is not None and (found := fitting(with_blocks(chosen))) is not None:
+        return found
     full = simulate(replace(plan, checkpoint_blocks=True, root_plan=root_plan))
-    if full.predicted_peak_bytes <= budget:
-        return full
-    lowest = min([*ranks, full], key=lambda p: p.predicted_peak_bytes)
+    if full.predicted_peak_bytes <= budget and (found := fitting(full)) is not None:
+        return found
+    lowest = simulate(min([*ranks, full], key=lambda p: p.predicted_peak_bytes), checked=True)
     raise InfeasibleBudgetError(budget, lowest.predicted_peak_bytes, lowest.parts, proven=False)
 
 

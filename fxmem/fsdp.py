@@ -1,10 +1,11 @@
 """FSDP2 ranks: fxmem's block plan run inside `fully_shard`-ed blocks, planned under a per-rank budget.
 
 Reads an unsharded model, its example inputs and a world size; writes nothing (an `FsdpPlan` is JSON that
-`save` writes where asked). `plan_fsdp` plans one block's step with fxmem and simulates one rank's whole
-step under torch's fake process group (one process, no communication: every collective returns
-buffers of the right size) on fake tensors (`fxmem.dist.fsdp_fake`: no weights needed, a meta model works),
-metered by MemTracker; `shard` applies FSDP2 as torchtitan does (every block,
+`save` writes where asked). `plan_fsdp` plans one block's step with fxmem, chosen for the rank (`fxmem.dist.fsdp_search`), and
+simulates one rank's whole step under torch's fake process group (one process, no communication: every
+collective returns buffers of the right size) on fake tensors (`fxmem.dist.fsdp_fake`: no weights needed, a
+meta model works), metered by MemTracker, with 2, 3 and 4 of its blocks where they are identical and
+extrapolated along the line they lie on (`fxmem.dist.fsdp_depth`); `shard` applies FSDP2 as torchtitan does (every block,
 then the root) with the block plan's compiled step installed in every block and, where the plan has one,
 the root's planned step after the last block (final norm, head, loss in chunks: `fxmem.dist.fsdp_root`;
 `docs/fsdp.md`). Both serve
@@ -29,6 +30,7 @@ from fxmem.budget import budget_bytes as to_bytes
 from fxmem.errors import FxmemError, InfeasibleBudgetError, fmt_bytes
 from fxmem.dist.fsdp_depth import depths_for, extrapolate, shallow
 from fxmem.dist.fsdp_fake import fake_copy
+from fxmem.dist.fsdp_counts import counter_bytes, keyword_input_bytes, sharded_bytes, unit_bytes
 from fxmem.dist.fsdp_memory import RankParts, rank_parts
 from fxmem.dist.fsdp_root import RootTail, run_tail
 from fxmem.dist.fsdp_search import Search
@@ -270,24 +272,6 @@ def _simulated(model: torch.nn.Module, inputs: Sequence[Any], kwargs: dict | Non
     return step + parts.optimizer_shards, parts
 
 
-def keyword_input_bytes(inputs: Sequence[Any], kwargs: dict | None) -> int:
-    """Tensors given by keyword (`input_ids=`, `labels=`): resident through the step like positional inputs,
-    which the meter counts; counted once each."""
-    seen = {id(x) for x in inputs}
-    tensors = {id(x): x for x in torch.utils._pytree.tree_leaves(kwargs or {})
-               if isinstance(x, torch.Tensor) and id(x) not in seen}
-    return sum(t.untyped_storage().nbytes() for t in tensors.values())
-
-
-def counter_bytes(optimizer: Any, model: torch.nn.Module) -> int:
-    """torch.optim's step counters: a float32 scalar per trainable parameter (SGD and L-BFGS keep none)."""
-    if optimizer is None or not bytes_per_param_byte(optimizer):
-        return 0
-    kind = optimizer.lower() if isinstance(optimizer, str) else type(optimizer).__name__.lower()
-    return 0 if kind.startswith("sgd") or isinstance(optimizer, (int, float)) else \
-        4 * sum(p.requires_grad for p in model.parameters())
-
-
 def full_checkpoint_peak(model: torch.nn.Module, inputs: Sequence[Any] = (), *, world_size: int,
                          kwargs: dict | None = None, optimizer: Any = None, blocks: str | None = None,
                          reshard_after_forward: bool = True, target: Any = None) -> int:
@@ -296,18 +280,6 @@ def full_checkpoint_peak(model: torch.nn.Module, inputs: Sequence[Any] = (), *, 
     included. `target`: as for `plan_fsdp`."""
     plan = FsdpPlan(world_size, block_list(model, blocks)[0], reshard_after_forward, None, 0, checkpoint_blocks=True)
     return rank_peak(model, inputs, kwargs, plan, optimizer, device=api.device_spec(target, model=model))[0]
-
-
-def sharded_bytes(model: torch.nn.Module) -> int:
-    return sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-
-
-def unit_bytes(model: torch.nn.Module, blocks: str) -> tuple[int, list[int]]:
-    """Unsharded parameter bytes of the root unit and of each block unit."""
-    units = model.get_submodule(blocks)
-    full = [sum(p.numel() * p.element_size() for p in block.parameters()) for block in units]
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    return total - sum(full), full
 
 
 def plan_fsdp(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: float | None = None, *,

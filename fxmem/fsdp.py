@@ -345,7 +345,7 @@ def _plan_fsdp(model: torch.nn.Module, example_inputs: Sequence[Any], budget: in
             return found
         keep_rank = rooted.predicted_peak_bytes
     search = Search(len(units), budget, plan_block, with_blocks, rounds)
-    chosen = search.run(whole, whole.baseline_peak_bytes, keep_rank)
+    chosen = search.run(whole, lambda: plan_block().predicted_peak_bytes, keep_rank)  # up to the block's keep-all peak
     ranks = [rank for _, rank in search.ranks]
     if chosen is not None and (found := fitting(with_blocks(chosen))) is not None:
         return found

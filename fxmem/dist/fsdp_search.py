@@ -8,8 +8,9 @@ costs the rank n - 1 bytes, a byte of the block's own step one. The search ranks
 and simulates (the truth) only the ones the quantity puts in reach of the budget:
 
 - whole-step (`policy="whole-step"`: only the block's inputs saved) first: the least any block plan saves.
-- where its rank fits, block budgets above its peak, each placed so that its quantity meets the budget, the
-  line through the last two simulated ranks after (a plan recomputing less that still fits is taken);
+- where its rank fits, block budgets below the block's keep-all peak, the first placed by the rank's overshoot
+  shared by about half the blocks, then on the line through the nearest rank peaks on either side of the budget, each
+  simulated where its quantity is near the budget (a plan recomputing less that still fits is taken);
 - where it does not (or for the least), block budgets below its peak, down to the block's least: a plan
   that holds less in its own step may save a little more and still hold less as a rank.
 """
@@ -46,42 +47,42 @@ class Search:
         self.ranks.append((block_plan, rank))
         return rank
 
-    def run(self, whole: Any, keep_peak: int, keep_rank: int) -> Any | None:
+    def run(self, whole: Any, keep_peak: Callable[[], int], keep_rank: int) -> Any | None:
         """The block plan whose simulated rank fits the budget with the least extra compute, or None; `whole`
-        the block's whole-step plan, `keep_peak`/`keep_rank` the block's and the rank's peak keeping all."""
+        the block's whole-step plan, `keep_peak()`/`keep_rank` the block's and the rank's peak keeping all."""
         base = self._rank(whole)
         if base.predicted_peak_bytes > self.budget:
             self._below(whole)
             fitting = [(p, r) for p, r in self.ranks if r.predicted_peak_bytes <= self.budget]
             return min(fitting, key=lambda pr: pr[0].extra_flops)[0] if fitting else None
-        return self._above(whole, base.predicted_peak_bytes, keep_peak, keep_rank)
+        return self._above(whole, base.predicted_peak_bytes, keep_peak(), keep_rank)
 
     def _above(self, whole: Any, whole_rank: int, keep_peak: int, keep_rank: int) -> Any:
-        """From whole-step (fits) toward keeping all (does not): the highest block budget whose rank fits."""
-        best, low, high = whole, whole.predicted_peak_bytes, keep_peak
-        points = [(low, whole_rank), (keep_peak, keep_rank)]
-        seen = {_key(whole)}
+        """Whole-step fits: block budgets up to the keep-all peak (which does not fit), for the plan that fits
+        with the least extra compute. The first is the keep-all peak less the rank's overshoot over the slope
+        `_between` assumes."""
+        best, low, high = whole, 0, keep_peak
+        points = [(keep_peak, keep_rank)]
+        known = {_key(whole): whole_rank}  # decision -> its rank peak, simulated or (over the budget) its quantity
         for _ in range(self.rounds):
-            target = _between(points, self.budget, low, high)
+            target = _between(points, self.budget, low, high, self.blocks)
             if target is None:
                 break
             try:
                 block_plan = self.plan_block(target)
             except InfeasibleBudgetError as exc:  # below the block's least: raise the floor
-                low = max(low, exc.min_budget_bytes)
+                low = max(low, exc.min_budget_bytes - 1)
                 continue
-            if _key(block_plan) in seen:
-                break  # the same decision at another block budget: the search has settled
-            seen.add(_key(block_plan))
-            quantity = rank_quantity(block_plan, self.blocks) - rank_quantity(whole, self.blocks) + whole_rank
-            if quantity > self.budget + CLOSE * self.budget:  # not worth simulating: over by the quantity
-                high = min(high, target)
-                points.append((target, quantity))
-                continue
-            peak = self._rank(block_plan).predicted_peak_bytes
+            key = _key(block_plan)  # the same decision at another block budget is not simulated again
+            if key not in known:
+                quantity = rank_quantity(block_plan, self.blocks) - rank_quantity(whole, self.blocks) + whole_rank
+                over = quantity > self.budget + CLOSE * self.budget  # not worth simulating: over by the quantity
+                known[key] = quantity if over else self._rank(block_plan).predicted_peak_bytes
+                if known[key] <= self.budget and block_plan.extra_flops < best.extra_flops:
+                    best = block_plan
+            peak = known[key]
             points.append((target, peak))
             if peak <= self.budget:
-                best = block_plan if block_plan.extra_flops < best.extra_flops else best
                 low = max(low, target)
                 if self.budget - peak <= CLOSE * self.budget:
                     break
@@ -109,15 +110,18 @@ def _key(block_plan: Any) -> tuple:
     return block_plan.predicted_peak_bytes, block_plan.extra_flops, block_plan.saved_bytes
 
 
-def _between(points: list[tuple[int, int]], budget: int, low: int, high: int) -> int | None:
-    """The block budget whose rank meets `budget` on the line through the two points nearest it (block budget,
-    rank peak), kept strictly inside (`low`, `high`); None where that span is within 1% of the budget."""
+def _between(points: list[tuple[int, int]], budget: int, low: int, high: int, blocks: int) -> int | None:
+    """The block budget whose rank meets `budget` on the line through the points (block budget, rank peak)
+    nearest it on either side, kept strictly inside (`low`, `high`); None where that span is within 1% of the
+    budget. With one side only, the slope is (blocks + 1) / 2 rank bytes per block byte: a byte less of block
+    budget is a byte less of the block's own peak and between none and a byte less saved by every other block."""
     if high - low <= CLOSE * budget:
         return None
-    under = max((p for p in points if p[1] <= budget), default=points[0])
-    over = min((p for p in points if p[1] > budget), default=points[-1])
-    (b1, r1), (b2, r2) = under, over
-    slope = (r2 - r1) / (b2 - b1) if b1 != b2 and r1 != r2 else 1.0
+    under, over = [p for p in points if p[1] <= budget], [p for p in points if p[1] > budget]
+    (b1, r1), slope = (max(under) if under else min(over)), (blocks + 1) / 2
+    if under and over:
+        b2, r2 = min(over)
+        slope = (r2 - r1) / (b2 - b1) if b1 != b2 and r1 != r2 else slope
     guess = b1 + (budget - r1) / max(slope, 1e-3)
     if not low < guess < high:
         guess = (low + high) / 2

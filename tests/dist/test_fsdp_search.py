@@ -51,7 +51,7 @@ def search(blocks: int, budget: int, rounds: int = 5):
 @pytest.mark.parametrize("blocks, least_simulated", [(32, False), (2, True)])
 def test_the_least_weighs_saved_bytes_by_the_blocks(blocks, least_simulated):
     found, calls = search(blocks, budget=1)
-    assert found.run(WHOLE, 600, BASE + 600 * blocks) is None  # nothing fits one byte
+    assert found.run(WHOLE, lambda: 600, BASE + 600 * blocks) is None  # nothing fits one byte
     assert calls == [1, LEAST.predicted_peak_bytes]  # the refusal names the block's least, planned next
     simulated = [plan for plan, _ in found.ranks]
     assert simulated == ([WHOLE, LEAST] if least_simulated else [WHOLE])
@@ -62,7 +62,7 @@ def test_the_least_weighs_saved_bytes_by_the_blocks(blocks, least_simulated):
 def test_above_whole_step_the_least_recompute_that_fits():
     blocks, budget = 8, BASE + 8 * 400
     found, calls = search(blocks, budget, rounds=4)
-    chosen = found.run(WHOLE, 600, BASE + 600 * blocks)
+    chosen = found.run(WHOLE, lambda: 600, BASE + 600 * blocks)
     assert chosen is not None and chosen.extra_flops < WHOLE.extra_flops
     assert BASE + rank_quantity(chosen, blocks) <= budget
     assert all(r.predicted_peak_bytes <= budget or p is not chosen for p, r in found.ranks)
@@ -73,4 +73,4 @@ def test_whole_step_that_fits_nothing_above_is_kept():
     blocks = 8
     budget = BASE + rank_quantity(WHOLE, blocks)  # whole-step exactly: every plan above saves more
     found, _ = search(blocks, budget, rounds=3)
-    assert found.run(WHOLE, 600, BASE + 600 * blocks) == WHOLE
+    assert found.run(WHOLE, lambda: 600, BASE + 600 * blocks) == WHOLE

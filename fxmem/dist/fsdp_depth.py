@@ -37,11 +37,22 @@ def shallow(model: torch.nn.Module, path: str, depth: int) -> torch.nn.Module:
     return _twin(model, {**model._modules, name: replaced})
 
 
+_INDEX = ("idx", "index", "layer_id", "layer_number")  # attributes that number the blocks, not configure them
+
+
 def identical_blocks(units: torch.nn.ModuleList) -> bool:
-    """Every block of one class with the same parameters and buffers (names, shapes, dtypes, requires_grad)."""
+    """Every block of one class with the same parameters and buffers (names, shapes, dtypes, requires_grad)
+    and, in it and its submodules, the same plain settings (str, bool, int, float or None attributes but the
+    block's number: an attention type or sliding window set per layer makes blocks differ)."""
+    def settings(block: torch.nn.Module) -> tuple:
+        return tuple((name, type(m).__name__, key, value) for name, m in block.named_modules()
+                     for key, value in sorted(vars(m).items()) if not key.startswith("_")
+                     and (value is None or isinstance(value, (str, bool, int, float)))
+                     and not any(word in key.lower() for word in _INDEX))
+
     def signature(block: torch.nn.Module) -> tuple:
         tensors = [*block.named_parameters(), *block.named_buffers()]
-        return type(block), tuple((n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in tensors)
+        return type(block), tuple((n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in tensors), settings(block)
     first = signature(units[0])
     return all(signature(block) == first for block in units[1:])
 

@@ -32,6 +32,18 @@ def test_shallow_twin_shares_the_first_blocks():
     assert depths_for(model.model.layers) == (2, 3, 4) and depths_for(twin.model.layers) is None
 
 
+def test_blocks_that_differ_in_a_setting_are_simulated_whole():
+    """Blocks alike in their tensors but set apart per layer (a dropout's p, as an attention type or sliding
+    window would be) are not extrapolated; a block's number alone (`layer_idx`) does not set them apart."""
+    def blocks(ps):
+        units = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(p)) for p in ps)
+        for i, unit in enumerate(units):
+            unit.layer_idx = i
+        return units
+    assert depths_for(blocks([0.1] * 6)) == (2, 3, 4)
+    assert depths_for(blocks([0.1] * 5 + [0.0])) is None
+
+
 def test_extrapolate_takes_the_line_and_refuses_a_bend():
     assert extrapolate({2: {"a": 10}, 3: {"a": 13}, 4: {"a": 16}}, 32) == {"a": 100}
     assert extrapolate({2: {"a": 10}, 3: {"a": 13}, 4: {"a": 17}}, 32) is None

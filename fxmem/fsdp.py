@@ -1,10 +1,11 @@
 """FSDP2 ranks: fxmem's block plan run inside `fully_shard`-ed blocks, planned under a per-rank budget.
 
 Reads an unsharded model, its example inputs and a world size; writes nothing (an `FsdpPlan` is JSON that
-`save` writes where asked). `plan_fsdp` plans one block's step with fxmem and simulates one rank's whole
-step under torch's fake process group (one process, no communication: every collective returns
-buffers of the right size) on fake tensors (`fxmem.dist.fsdp_fake`: no weights needed, a meta model works),
-metered by MemTracker; `shard` applies FSDP2 as torchtitan does (every block,
+`save` writes where asked). `plan_fsdp` plans one block's step with fxmem, chosen for the rank (`fxmem.dist.fsdp_search`), and
+simulates one rank's whole step under torch's fake process group (one process, no communication: every
+collective returns buffers of the right size) on fake tensors (`fxmem.dist.fsdp_fake`: no weights needed, a
+meta model works), metered by MemTracker, with 2, 3 and 4 of its blocks where they are identical and
+extrapolated along the line they lie on (`fxmem.dist.fsdp_depth`); `shard` applies FSDP2 as torchtitan does (every block,
 then the root) with the block plan's compiled step installed in every block and, where the plan has one,
 the root's planned step after the last block (final norm, head, loss in chunks: `fxmem.dist.fsdp_root`;
 `docs/fsdp.md`). Both serve
@@ -27,9 +28,12 @@ import torch.distributed as dist
 from fxmem import api
 from fxmem.budget import budget_bytes as to_bytes
 from fxmem.errors import FxmemError, InfeasibleBudgetError, fmt_bytes
+from fxmem.dist.fsdp_depth import depths_for, extrapolate, shallow
 from fxmem.dist.fsdp_fake import fake_copy
+from fxmem.dist.fsdp_counts import counter_bytes, keyword_input_bytes, sharded_bytes, unit_bytes
 from fxmem.dist.fsdp_memory import RankParts, rank_parts
 from fxmem.dist.fsdp_root import RootTail, run_tail
+from fxmem.dist.fsdp_search import Search
 from fxmem.measure import measure_peak_bytes
 from fxmem.trace.loss import Boundary
 from fxmem.trace.meta_device import is_meta_model
@@ -37,8 +41,7 @@ from fxmem.price.optimizer_state import bytes_per_param_byte
 from fxmem.planner.plan import Plan
 from fxmem.run import joint_cache
 
-MAX_ROUNDS = 5  # block budgets tried per plan (each one a block plan and a simulated rank step)
-CLOSE = 0.01    # a plan within 1% below the budget is taken
+MAX_ROUNDS = 5  # block budgets solved per plan beyond whole-step's (each simulated where it may fit)
 
 
 @dataclass(frozen=True)
@@ -105,27 +108,33 @@ def block_list(model: torch.nn.Module, blocks: str | None = None) -> tuple[str, 
 
 
 def shard(model: torch.nn.Module, mesh: Any, plan: FsdpPlan | None = None, blocks: str | None = None,
-          reshard_after_forward: bool = True) -> torch.nn.Module:
+          reshard_after_forward: bool = True, steps: dict | None = None) -> torch.nn.Module:
     """`fully_shard` every block, then the root (torchtitan's wrapping), in place; with a plan whose blocks
-    recompute, every block runs the plan's block step (FSDP2 gathers its parameters around it)."""
+    recompute, every block runs the plan's block step (FSDP2 gathers its parameters around it). `steps`: the
+    compiled block and root steps of earlier `shard`s (simulated ranks', kept by the caller), by their plans,
+    taken instead of compiling again where the plan is the same; filled where empty."""
     from torch.distributed._composable import checkpoint
     from torch.distributed.fsdp import fully_shard
     if plan is not None:
         blocks, reshard_after_forward = plan.blocks, plan.reshard_after_forward
     _, units = block_list(model, blocks)
     block_plan = plan.block() if plan is not None else None
-    first = None
+    steps = {} if steps is None else steps
+    block_key = ("block", json.dumps(plan.block_plan, sort_keys=True)) if block_plan is not None else None
+    first = steps.get(block_key)
     for block in units:
         cls = type(block)
         if plan is not None and plan.checkpoint_blocks:
             checkpoint(block)  # torch's composable checkpoint: the parameters keep their names
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
         if block_plan is not None:
-            first = _install(block, cls, block_plan, first)
+            first = steps[block_key] = _install(block, cls, block_plan, first)
     if plan is not None and plan.root_plan is not None:  # after the last block, the root's planned step runs
         root = plan.root()
         keep = {"keep_outputs": False} if root.loss == Boundary("field").text(keep_outputs=False) else {}
-        run_tail(model, blocks, api.optimize(RootTail(model, blocks), plan=root, **keep))
+        step = api.optimize(RootTail(model, blocks), plan=root, **keep)
+        _share(step, steps.setdefault(("root", json.dumps(plan.root_plan, sort_keys=True)), step))
+        run_tail(model, blocks, step)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
     return model
 
@@ -143,12 +152,16 @@ def _install(block: torch.nn.Module, cls: type, block_plan: Plan, first: Any = N
             twin.__dict__[key] = value
     with quiet():
         step = api.optimize(twin, plan=block_plan, model_loss=False)
-    if first is not None:
-        object.__setattr__(step, "_steps", first._steps)
-        object.__setattr__(step, "_backward_ran", first._backward_ran)
+    _share(step, first or step)
     block.forward = lambda *args, **kwargs: _quiet_call(step, args, kwargs)
     block.__dict__["fxmem_step"] = step  # what `forward` runs (its `.plan`); not a submodule: it shares the dicts
     return first if first is not None else step
+
+
+def _share(step: torch.nn.Module, first: torch.nn.Module) -> None:
+    """`step` runs `first`'s compiled steps (a step takes the parameters at each call)."""
+    object.__setattr__(step, "_steps", first._steps)
+    object.__setattr__(step, "_backward_ran", first._backward_ran)
 
 
 def _quiet_call(step: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -218,36 +231,45 @@ def fake_group(world_size: int) -> Iterator[Any]:
 
 
 def rank_peak(model: torch.nn.Module, inputs: Sequence[Any], kwargs: dict | None, plan: FsdpPlan,
-              optimizer: Any = None, *, fake: bool = True, device: Any = None) -> tuple[int, RankParts]:
+              optimizer: Any = None, *, fake: bool = True, device: Any = None, whole: bool = False,
+              checked: bool = True, memo: dict | None = None) -> tuple[int, RankParts]:
     """One rank's step peak (MemTracker, fake process group, a copy of `model`), optimizer state included.
     With `fake` (the default) the copy, its inputs and the whole step are fake tensors (`fxmem.dist.fsdp_fake`;
-    `device`: the `DeviceSpec` a meta model is planned for); otherwise a real copy runs one real step."""
+    `device`: the `DeviceSpec` a meta model is planned for); otherwise a real copy runs one real step. A rank
+    of more than 4 identical blocks is simulated with 2, 3 and 4 of them and extrapolated along the line they
+    lie on (`fxmem.dist.fsdp_depth`), unless `whole` (or they lie on no line): then with all of them. Without
+    `checked`, with 2 and 3 only (the line assumed: a search's trials); `memo` keeps each depth's figures
+    for the plan, so checking a trial later simulates depth 4 alone."""
+    depths = None if whole else depths_for(model.get_submodule(plan.blocks))
+    if depths is not None:
+        memo = {} if memo is None else memo
+        figures = {}
+        for depth in depths if checked else depths[:2]:
+            trial = replace(plan, budget_bytes=None, predicted_peak_bytes=0, parts={}, eager_peak_bytes=0).to_json()
+            key, steps = (depth, trial), memo.setdefault("steps", {})  # the trials share compiled steps
+            if key not in memo:
+                peak, parts = _simulated(shallow(model, plan.blocks, depth), inputs, kwargs, plan, optimizer, fake,
+                                         device, steps)
+                memo[key] = {"peak": peak, **parts.as_dict()}
+            figures[depth] = memo[key]
+        line = extrapolate(figures, len(model.get_submodule(plan.blocks)))
+        if line is not None:
+            peak = line.pop("peak")
+            return peak, RankParts(**line)
+    return _simulated(model, inputs, kwargs, plan, optimizer, fake, device)
+
+
+def _simulated(model: torch.nn.Module, inputs: Sequence[Any], kwargs: dict | None, plan: FsdpPlan,
+               optimizer: Any, fake: bool, device: Any, steps: dict | None = None) -> tuple[int, RankParts]:
+    """`rank_peak` of `model` as it is: one step of all its blocks (`steps`: as for `shard`)."""
     copied = fake_copy(model, inputs, kwargs, device) if fake else contextlib.nullcontext((copy.deepcopy(model), inputs, kwargs))
     with joint_cache.forgotten_after(), fake_group(plan.world_size) as mesh, copied as (model, inputs, kwargs):
-        sharded = shard(model, mesh, plan)
+        sharded = shard(model, mesh, plan, steps=steps)
         step = measure_peak_bytes(sharded, inputs, kwargs) + keyword_input_bytes(inputs, kwargs)
         parts = rank_parts(sharded_bytes(sharded), unit_bytes(sharded, plan.blocks), plan.world_size,
                            bytes_per_param_byte(optimizer), plan.reshard_after_forward, step,
                            counter_bytes(optimizer, sharded))
     return step + parts.optimizer_shards, parts
-
-
-def keyword_input_bytes(inputs: Sequence[Any], kwargs: dict | None) -> int:
-    """Tensors given by keyword (`input_ids=`, `labels=`): resident through the step like positional inputs,
-    which the meter counts; counted once each."""
-    seen = {id(x) for x in inputs}
-    tensors = {id(x): x for x in torch.utils._pytree.tree_leaves(kwargs or {})
-               if isinstance(x, torch.Tensor) and id(x) not in seen}
-    return sum(t.untyped_storage().nbytes() for t in tensors.values())
-
-
-def counter_bytes(optimizer: Any, model: torch.nn.Module) -> int:
-    """torch.optim's step counters: a float32 scalar per trainable parameter (SGD and L-BFGS keep none)."""
-    if optimizer is None or not bytes_per_param_byte(optimizer):
-        return 0
-    kind = optimizer.lower() if isinstance(optimizer, str) else type(optimizer).__name__.lower()
-    return 0 if kind.startswith("sgd") or isinstance(optimizer, (int, float)) else \
-        4 * sum(p.requires_grad for p in model.parameters())
 
 
 def full_checkpoint_peak(model: torch.nn.Module, inputs: Sequence[Any] = (), *, world_size: int,
@@ -260,18 +282,6 @@ def full_checkpoint_peak(model: torch.nn.Module, inputs: Sequence[Any] = (), *, 
     return rank_peak(model, inputs, kwargs, plan, optimizer, device=api.device_spec(target, model=model))[0]
 
 
-def sharded_bytes(model: torch.nn.Module) -> int:
-    return sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-
-
-def unit_bytes(model: torch.nn.Module, blocks: str) -> tuple[int, list[int]]:
-    """Unsharded parameter bytes of the root unit and of each block unit."""
-    units = model.get_submodule(blocks)
-    full = [sum(p.numel() * p.element_size() for p in block.parameters()) for block in units]
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    return total - sum(full), full
-
-
 def plan_fsdp(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget_gb: float | None = None, *,
               world_size: int, example_kwargs: dict | None = None, optimizer: Any = None, blocks: str | None = None,
               reshard_after_forward: bool = True, time_limit_s: float = 10.0, rounds: int = MAX_ROUNDS,
@@ -279,99 +289,71 @@ def plan_fsdp(model: torch.nn.Module, example_inputs: Sequence[Any] = (), budget
     """Plan one rank of an FSDP2 job of `world_size` ranks under `budget_gb` per rank. The rank runs
     eagerly where that fits; otherwise the root's step after the blocks (norm, head, loss) runs fxmem's
     plan at its least (the loss in chunks) where the simulated rank holds less with it, and where the rank
-    still does not fit, every block runs one fxmem block plan, planned under the block budget that makes
-    the rank's simulated peak fit (at most `rounds` block budgets, each one block plan and one simulated step).
+    still does not fit, every block runs one fxmem block plan, chosen for the rank's peak, not one block's
+    (`fxmem.dist.fsdp_search`: a byte a block saves is held by every block; at most `rounds` block budgets
+    solved beyond the whole-step plan, each simulated where it may fit), else torch's checkpoint on every block.
     `model` is unsharded, on the CPU or the meta device (built under `torch.device("meta")`: no weights; the
-    rank is simulated on fake tensors either way); `target`: the device (`DeviceSpec` or preset name) the
-    block plans are priced for, default the CPU. `root=False` keeps the root eager (a transformers model
-    then returns its logits beside the loss, which the planned root leaves out). Call before any process
-    group exists (or offline) and
-    give the plan to every rank (`FsdpPlan.save` / `load`), so every rank runs the same one."""
+    rank is simulated on fake tensors either way, with 2, 3 and 4 of its blocks where they are identical,
+    `rank_peak`); `target`: the device (`DeviceSpec` or preset name) the block plans are priced for, default
+    the CPU; `time_limit_s`: each block and root plan's solver effort. `root=False` keeps the root eager (a
+    transformers model then returns its logits beside the loss, which the planned root leaves out). Call
+    before any process group exists (or offline) and give the plan to every rank (`FsdpPlan.save` / `load`),
+    so every rank runs the same one."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    budget = to_bytes(budget_gb)
+    return _plan_fsdp(model, example_inputs, to_bytes(budget_gb), world_size, example_kwargs, optimizer, blocks,
+                      reshard_after_forward, time_limit_s, rounds, target, root)
+
+
+def _plan_fsdp(model: torch.nn.Module, example_inputs: Sequence[Any], budget: int | None, world_size: int,
+               example_kwargs: dict | None, optimizer: Any, blocks: str | None, reshard_after_forward: bool,
+               time_limit_s: float, rounds: int, target: Any, root: bool) -> FsdpPlan:
     path, units = block_list(model, blocks)
     spec = api.device_spec(target, model=model)
+    memo: dict = {}  # each depth's figures per trial: a trial checked later simulates depth 4 alone
 
-    def simulate(trial: FsdpPlan) -> tuple[int, RankParts]:
-        return rank_peak(model, example_inputs, example_kwargs, trial, optimizer, device=spec)
-    plan = FsdpPlan(world_size, path, reshard_after_forward, budget, 0)
-    eager, parts = simulate(plan)
-    plan = _with(plan, eager, parts, None, eager)
+    def simulate(trial: FsdpPlan, checked: bool = False) -> FsdpPlan:
+        figures = rank_peak(model, example_inputs, example_kwargs, trial, optimizer, device=spec, checked=checked, memo=memo)
+        return _with(trial, *figures, trial.block_plan, eager)
+    eager = 0
+    plan = simulate(FsdpPlan(world_size, path, reshard_after_forward, budget, 0), checked=True)
+    eager = plan.predicted_peak_bytes
+    plan = replace(plan, eager_peak_bytes=eager)
     if budget is None or eager <= budget:
         return plan
     args, kw, hidden = block_io(model, path, example_inputs, example_kwargs, spec)
-    root_plan, base = plan_root(model, path, hidden, example_inputs, example_kwargs, spec) if root else None, eager
-    if root_plan is not None:  # the rank simulated with it, taken where it holds less than the eager root
-        rooted = replace(plan, root_plan=root_plan)
-        rooted = _with(rooted, *simulate(rooted), None, eager)
-        if rooted.predicted_peak_bytes <= budget:
-            return rooted
-        root_plan, base = (root_plan, rooted.predicted_peak_bytes) if rooted.predicted_peak_bytes < eager else (None, eager)
-    block = units[0]
-    with quiet():
-        keep = api.plan(block, args, example_kwargs=kw, model_loss=False, target=spec)
-    points = [(keep.predicted_peak_bytes, base)]  # (block peak, rank peak); keep-all ~ eager blocks
-    tried: dict[tuple, FsdpPlan] = {}  # block plan -> the rank it gives (another budget may give the same plan)
-    target, best, best_at, over_at, least, last = keep.predicted_peak_bytes - (base - budget), None, 0, \
-        keep.predicted_peak_bytes, 0, None
-    for _ in range(rounds):
-        target = int(max(target, least, 1))  # below the least, the block planner names the least
-        try:
-            with quiet():
-                block_plan = api.plan(block, args, target / 2**30, example_kwargs=kw, model_loss=False,
-                                      time_limit_s=time_limit_s, target=spec)
-        except InfeasibleBudgetError as exc:
-            least = target = exc.min_budget_bytes
-            continue
-        at = block_plan.predicted_peak_bytes  # a plan is placed by its block peak
-        key = (at, block_plan.extra_flops_pct)  # the same decision, met again at another block budget
-        if key in tried or best is not None and at <= best_at:
-            break  # a decision met before, or one below the best that fits: the search has settled
-        if key not in tried:
-            trial = FsdpPlan(world_size, path, reshard_after_forward, budget, 0, block_plan=block_plan.to_dict(),
-                             root_plan=root_plan)
-            tried[key] = _with(trial, *simulate(trial),
-                               block_plan.to_dict(), eager)
-        last = tried[key]
-        peak = last.predicted_peak_bytes
-        points.append((at, peak))
-        if peak <= budget and (best is None or at > best_at):
-            best, best_at = last, at
-        elif peak > budget:
-            over_at = min(over_at, at)
-        if peak > budget and target <= least or 0 <= budget - peak <= CLOSE * budget:
-            break
-        target = _next_target(points, budget, best_at if best is not None else least, over_at)
-        if target is None:
-            break
-    if best is None:  # the block plan that saves least for backward, then torch's checkpoint on every block
+    root_plan = plan_root(model, path, hidden, example_inputs, example_kwargs, spec, time_limit_s) if root else None
+
+    def plan_block(block_budget: int | None = None, policy: str | None = None) -> Plan:
         with quiet():
-            whole = api.plan(block, args, example_kwargs=kw, model_loss=False, target=spec, policy="whole-step")
-        trial = FsdpPlan(world_size, path, reshard_after_forward, budget, 0, block_plan=whole.to_dict(),
-                         root_plan=root_plan)
-        whole_rank = _with(trial, *simulate(trial), whole.to_dict(), eager)
-        full = FsdpPlan(world_size, path, reshard_after_forward, budget, 0, checkpoint_blocks=True, root_plan=root_plan)
-        full = _with(full, *simulate(full), None, eager)
-        tried_all = [whole_rank, full] + ([last] if last else [])
-        lowest = min(tried_all, key=lambda p: p.predicted_peak_bytes)
-        fitting = [p for p in tried_all[:2] if p.predicted_peak_bytes <= budget]
-        if fitting:  # fxmem's whole-step plan first: it recomputes just before each reader, torch's all at once
-            return fitting[0]
-        raise InfeasibleBudgetError(budget, lowest.predicted_peak_bytes, lowest.parts, proven=False)
-    return best
+            return api.plan(units[0], args, None if block_budget is None else block_budget / 2**30, example_kwargs=kw,
+                            model_loss=False, time_limit_s=time_limit_s, target=spec, policy=policy)
 
+    def with_blocks(block_plan: Plan) -> FsdpPlan:
+        return simulate(replace(plan, block_plan=block_plan.to_dict(), root_plan=root_plan))
 
-def _next_target(points: list[tuple[int, int]], budget: int, low: int, high: int) -> int | None:
-    """The block budget whose rank peak meets `budget` on the line through the last two trials (the rank
-    holds several blocks' activations, so it moves faster than the block's budget), kept strictly inside
-    (`low`, `high`): the best block budget that fits and the least that did not."""
-    (b1, r1), (b2, r2) = points[-2:]
-    slope = (r1 - r2) / (b1 - b2) if b1 != b2 and r1 != r2 else 1.0
-    guess = b2 + (budget - r2) / max(slope, 1e-3)
-    if not low < guess < high:
-        guess = (low + high) / 2
-    return int(guess) if high - low > CLOSE * budget else None
+    def fitting(trial: FsdpPlan) -> FsdpPlan | None:  # checked at depth 4 (or simulated whole) and still fitting
+        trial = simulate(trial, checked=True)
+        return trial if trial.predicted_peak_bytes <= budget else None
+    whole = plan_block(policy="whole-step")  # the least a block saves: every block's inputs
+    keep_rank = eager
+    # the planned root holds less than the eager one in its own step and returns the loss alone, so it is kept;
+    # with eager blocks it is simulated where whole-step blocks fit with it (eager blocks hold more than they)
+    if root_plan is not None and with_blocks(whole).predicted_peak_bytes <= budget:
+        rooted = simulate(replace(plan, root_plan=root_plan))
+        if rooted.predicted_peak_bytes <= budget and (found := fitting(rooted)) is not None:
+            return found
+        keep_rank = rooted.predicted_peak_bytes
+    search = Search(len(units), budget, plan_block, with_blocks, rounds)
+    chosen = search.run(whole, lambda: plan_block().predicted_peak_bytes, keep_rank)  # up to the block's keep-all peak
+    ranks = [rank for _, rank in search.ranks]
+    if chosen is not None and (found := fitting(with_blocks(chosen))) is not None:
+        return found
+    full = simulate(replace(plan, checkpoint_blocks=True, root_plan=root_plan))
+    if full.predicted_peak_bytes <= budget and (found := fitting(full)) is not None:
+        return found
+    lowest = simulate(min([*ranks, full], key=lambda p: p.predicted_peak_bytes), checked=True)
+    raise InfeasibleBudgetError(budget, lowest.predicted_peak_bytes, lowest.parts, proven=False)
 
 
 def _with(plan: FsdpPlan, peak: int, parts: RankParts, block_plan: dict | None, eager: int = 0) -> FsdpPlan:
@@ -380,14 +362,14 @@ def _with(plan: FsdpPlan, peak: int, parts: RankParts, block_plan: dict | None, 
 
 
 def plan_root(model: torch.nn.Module, path: str, hidden: Any, inputs: Sequence[Any], kwargs: dict | None,
-              spec: Any) -> dict | None:
+              spec: Any, time_limit_s: float = 10.0) -> dict | None:
     """The plan of the root's step after the blocks (`fxmem.dist.fsdp_root.RootTail`: final norm, head,
     loss) at its least peak, the loss in as many chunks as that needs; None where fxmem cannot plan it (a
     last block that returns no tensor, a model whose output has no loss: nothing to chunk)."""
     if not isinstance(hidden, torch.Tensor):
         return None
     tail, args = RootTail(model, path), (hidden, *inputs)
-    options = {"example_kwargs": kwargs, "target": spec, "keep_outputs": False}  # transformers' logits: left out
+    options = {"example_kwargs": kwargs, "target": spec, "keep_outputs": False, "time_limit_s": time_limit_s}  # transformers' logits: left out
     try:
         try:  # a budget below any plan's: the refusal names the least
             api.plan(tail, args, 1 / 2**30, **options)

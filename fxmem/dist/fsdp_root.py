@@ -49,13 +49,16 @@ def _twin(module: torch.nn.Module, modules: dict) -> torch.nn.Module:
 
 
 def without_blocks(model: torch.nn.Module, path: str) -> torch.nn.Module:
-    """A twin of `model` whose ModuleList at `path` is pass-through blocks (as many), the rest shared."""
+    """A twin of `model` whose ModuleList at `path` is pass-through blocks (as many; one module in every place
+    but the last, so the twin's modules, which a compiled step's signature counts, do not grow with the
+    depth), the rest shared."""
     name, _, rest = path.partition(".")
     child = model.get_submodule(name)
     if rest:
         replaced = without_blocks(child, rest)
     else:
-        replaced = torch.nn.ModuleList(PassThrough(last=i == len(child) - 1) for i in range(len(child)))
+        # one module for every block but the last: the twin's modules are the same whatever the depth
+        replaced = torch.nn.ModuleList([PassThrough()] * (len(child) - 1) + [PassThrough(last=True)])
     return _twin(model, {**model._modules, name: replaced})
 
 

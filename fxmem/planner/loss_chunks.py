@@ -113,8 +113,13 @@ def plan_with_loss_chunks(gm: torch.fx.GraphModule, request: Any, plan_graph: Pl
             raise
 
     planned_counts: dict[int, tuple[Any, Any] | InfeasibleBudgetError] = {}  # each count is planned once
+    refusals = shape_reuse.refusal_key(gm, request)  # a count refused before, below its least, is not traced again
 
     def chunked(chunks: int) -> tuple[Any, Any]:
+        if chunks not in planned_counts:
+            known = shape_reuse.known_refusal(refusals, chunks, request.budget_bytes)
+            if known is not None:
+                planned_counts[chunks] = known
         if chunks not in planned_counts:
             try:
                 plan, step = plan_graph(chunk_loss(copy_graph(gm), chunks), request)
@@ -122,6 +127,7 @@ def plan_with_loss_chunks(gm: torch.fx.GraphModule, request: Any, plan_graph: Pl
                 planned_counts[chunks] = plan, step
             except InfeasibleBudgetError as exc:
                 planned_counts[chunks] = exc
+                shape_reuse.keep_refusal(refusals, chunks, exc)
         found = planned_counts[chunks]
         if isinstance(found, InfeasibleBudgetError):
             raise found

@@ -17,6 +17,10 @@ before (the blocks' nodes keep their names), its slack spent, and is solved afre
 inside `seeds_only` it is not solved at all there (`SeedDoesNotFit`). A model's next graph of another structure (its
 step with the outputs dropped, after the one that held them) starts from the model's last decision (`seeded_by`).
 
+A chunk count refused with a least above the budget is kept too (`keep_refusal`): planned again at a budget below that
+least, the count is refused at once (`known_refusal`), as searching would, without a trace (the step named its least,
+and the next call, at that least, plans only the counts that may fit it).
+
 Reads joint graphs and planner requests; writes nothing but the in-process memos (`MEMO_SIZE` entries each).
 """
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch.fx
 
+from fxmem.errors import InfeasibleBudgetError
 from fxmem.planner.fitting import spend_slack
 from fxmem.planner.plan import graph_fingerprint
 from fxmem.solve.problem import repair
@@ -43,6 +48,7 @@ MEMO_SIZE = 64
 _DECISIONS: OrderedDict[str, tuple[str, frozenset[str], frozenset[str]]] = OrderedDict()  # + the graph's fingerprint
 _step = threading.local()  # .seed: names the last plan of the step planned now recomputes (`one_step`)
 _CHUNKS: OrderedDict[str, tuple[str, int]] = OrderedDict()  # captured step -> (its fingerprint, the loss's chunk count)
+_REFUSED: OrderedDict[tuple, Any] = OrderedDict()  # (captured step and request but its budget, chunks) -> refusal
 
 
 class SeedDoesNotFit(Exception):
@@ -190,7 +196,35 @@ def seeded(lowered: Any, simulate: Callable[..., Any], target: int, relax_s: flo
     return (*spend_slack(problem, candidate, solution, target, simulate, relax_s), None)
 
 
+def refusal_key(gm: torch.fx.GraphModule, request: Any) -> tuple:
+    """What a chunk count's refusal depends on: the captured graph (with its sizes) and the request but its budget."""
+    unbudgeted = dataclasses.replace(request, budget_bytes=None)
+    return decision_key(gm, unbudgeted, (request.signature, request.held_bytes)), graph_fingerprint(gm)
+
+
+def keep_refusal(key: tuple, chunks: int, refusal: Any) -> None:
+    """Keep the refusal (an `InfeasibleBudgetError`) of the step under `key` (`refusal_key`) with its loss in `chunks`
+    chunks: the least it names does not depend on the budget refused (the searches are deterministic)."""
+    if type(refusal) is InfeasibleBudgetError and refusal.budget_bytes < refusal.min_budget_bytes \
+            and not getattr(refusal, "bound_only", False):  # a least searched for, not a bound
+        _REFUSED[(key, chunks)] = refusal
+        _REFUSED.move_to_end((key, chunks))
+        while len(_REFUSED) > MEMO_SIZE:
+            _REFUSED.popitem(last=False)
+
+
+def known_refusal(key: tuple, chunks: int, budget: int) -> Any:
+    """The refusal of `budget` for the step under `key` in `chunks` chunks where one kept names a least above it (as
+    planning it again would: the same least, the same parts, this budget), else None."""
+    kept = _REFUSED.get((key, chunks))
+    if kept is None or budget >= kept.min_budget_bytes:
+        return None
+    return InfeasibleBudgetError(budget, kept.min_budget_bytes, kept.breakdown, lower_bound_bytes=kept.lower_bound_bytes,
+                                 proven=kept.proven)
+
+
 def forget() -> None:
-    """Drop every kept decision and chunk count (tests)."""
+    """Drop every kept decision, chunk count and refusal (tests)."""
     _DECISIONS.clear()
     _CHUNKS.clear()
+    _REFUSED.clear()

@@ -115,6 +115,7 @@ def test_least_is_the_same_when_the_loss_as_traced_is_not_planned_below_its_floo
 
     import fxmem.run.engine
     import fxmem.planner.loss_chunks
+    import fxmem.planner.shape_reuse
 
     model, ids = _gpt2(n_layer=1, n_embd=32, vocab=2000, batch=2, seq=64)
     planned, plan_graph = [], fxmem.run.engine._planned
@@ -128,6 +129,7 @@ def test_least_is_the_same_when_the_loss_as_traced_is_not_planned_below_its_floo
 
     skipping = least()
     floor_skipped = len(planned)
+    fxmem.planner.shape_reuse.forget()  # the counts refused are planned again, not read from the first call's
     monkeypatch.setattr(fxmem.planner.loss_chunks, "traced_floor", lambda gm, sites: 0)  # the loss as traced planned too
     compared = least()
     assert (skipping.min_budget_bytes, skipping.loss_chunks) == (compared.min_budget_bytes, compared.loss_chunks)
@@ -176,3 +178,39 @@ def test_fewer_chunks_take_the_decision_of_the_count_above_or_are_not_solved():
         plan, _ = _fewer_while_faster(chunked, chunked(8))
     assert plan.loss_chunks == 4 and asked == [(8, False), (4, True), (2, True)]
     shape_reuse.unseeded()  # outside seeds_only: solving goes on
+
+
+def test_a_count_refused_below_its_least_is_not_traced_again_and_the_plan_is_a_fresh_ones(monkeypatch):
+    """A budget just under the least is refused naming it again; the call at that least then plans only the counts
+    that may fit it: a count refused before with a higher least is refused at once, without a trace, and the plan
+    is the one a fresh process makes."""
+    import torch.nn.functional as F
+
+    import fxmem.planner.loss_chunks
+    from fxmem.planner import shape_reuse
+
+    model, ids = _gpt2(n_layer=1, n_embd=32, vocab=2000, batch=2, seq=64)
+    traced, chunk_loss = [], fxmem.planner.loss_chunks.chunk_loss
+    monkeypatch.setattr(fxmem.planner.loss_chunks, "chunk_loss", lambda gm, k: traced.append(k) or chunk_loss(gm, k))
+    loss = lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten())  # noqa: E731
+
+    def plan(budget_bytes: int):
+        traced.clear()
+        return fxmem.plan(model, (ids,), budget_bytes / 2**30, loss_fn=loss, example_target=ids, time_limit_s=2)
+
+    with pytest.raises(fxmem.InfeasibleBudgetError) as refused:
+        plan(1024)
+    least = refused.value.min_budget_bytes
+    with pytest.raises(fxmem.InfeasibleBudgetError) as under:
+        plan(least - 1024)
+    assert under.value.min_budget_bytes == least
+    refused_counts = set(traced)
+    again = plan(least)
+    after_refusals = set(traced)
+    shape_reuse.forget()
+    fresh = plan(least)
+    assert again.predicted_peak_bytes <= least and again.loss_chunks > 1
+    assert (again.loss_chunks, again.predicted_peak_bytes, again.recompute) == \
+        (fresh.loss_chunks, fresh.predicted_peak_bytes, fresh.recompute)
+    skipped = set(traced) - after_refusals
+    assert skipped and skipped <= refused_counts and after_refusals < set(traced), (refused_counts, after_refusals, traced)

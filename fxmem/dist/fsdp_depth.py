@@ -14,17 +14,9 @@ from typing import Any, Mapping
 
 import torch
 
+from fxmem.dist.fsdp_root import twin
+
 DEPTHS = (2, 3, 4)  # 2: a block before the last (FSDP2 prefetches it in backward); 4 checks the line of 2 and 3
-
-
-def _twin(module: torch.nn.Module, modules: dict) -> torch.nn.Module:
-    twin = type(module).__new__(type(module))
-    torch.nn.Module.__init__(twin)
-    for key, value in module.__dict__.items():
-        if key in ("_parameters", "_buffers") or not key.startswith("_"):
-            twin.__dict__[key] = value
-    twin.__dict__["_modules"] = modules
-    return twin
 
 
 def shallow(model: torch.nn.Module, path: str, depth: int) -> torch.nn.Module:
@@ -34,7 +26,7 @@ def shallow(model: torch.nn.Module, path: str, depth: int) -> torch.nn.Module:
     name, _, rest = path.partition(".")
     child = model.get_submodule(name)
     replaced = shallow(child, rest, depth) if rest else torch.nn.ModuleList(list(child)[:depth])
-    return _twin(model, {**model._modules, name: replaced})
+    return twin(model, {**model._modules, name: replaced})
 
 
 _INDEX = ("idx", "index", "layer_id", "layer_number")  # attributes that number the blocks, not configure them

@@ -37,15 +37,15 @@ class PassThrough(torch.nn.Module):
         return _HIDDEN.get() if self.last else x
 
 
-def _twin(module: torch.nn.Module, modules: dict) -> torch.nn.Module:
+def twin(module: torch.nn.Module, modules: dict) -> torch.nn.Module:
     """A module of `module`'s class sharing its parameters, buffers and attributes, with `modules` as children."""
-    twin = type(module).__new__(type(module))
-    torch.nn.Module.__init__(twin)
+    made = type(module).__new__(type(module))
+    torch.nn.Module.__init__(made)
     for key, value in module.__dict__.items():
         if key in ("_parameters", "_buffers") or not key.startswith("_"):
-            twin.__dict__[key] = value
-    twin.__dict__["_modules"] = modules
-    return twin
+            made.__dict__[key] = value
+    made.__dict__["_modules"] = modules
+    return made
 
 
 def without_blocks(model: torch.nn.Module, path: str) -> torch.nn.Module:
@@ -59,7 +59,7 @@ def without_blocks(model: torch.nn.Module, path: str) -> torch.nn.Module:
     else:
         # one module for every block but the last: the twin's modules are the same whatever the depth
         replaced = torch.nn.ModuleList([PassThrough()] * (len(child) - 1) + [PassThrough(last=True)])
-    return _twin(model, {**model._modules, name: replaced})
+    return twin(model, {**model._modules, name: replaced})
 
 
 class RootTail(torch.nn.Module):

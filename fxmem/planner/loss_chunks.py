@@ -113,14 +113,13 @@ def plan_with_loss_chunks(gm: torch.fx.GraphModule, request: Any, plan_graph: Pl
             raise
 
     planned_counts: dict[int, tuple[Any, Any] | InfeasibleBudgetError] = {}  # each count is planned once
-    refusals = shape_reuse.refusal_key(gm, request)  # a count refused before, below its least, is not traced again
+    key, fingerprint = decision_key(gm, request), graph_fingerprint(gm)
+    refusals = shape_reuse.refusal_key(gm, request, fingerprint)  # a count refused below its least: not traced again
 
     def chunked(chunks: int) -> tuple[Any, Any]:
         if chunks not in planned_counts:
-            known = shape_reuse.known_refusal(refusals, chunks, request.budget_bytes)
-            if known is not None:
-                planned_counts[chunks] = known
-        if chunks not in planned_counts:
+            planned_counts[chunks] = shape_reuse.known_refusal(refusals, chunks, request.budget_bytes)
+        if planned_counts[chunks] is None:
             try:
                 plan, step = plan_graph(chunk_loss(copy_graph(gm), chunks), request)
                 step.planner.plan = plan = chunked_plan(plan, sites, chunks, request.device)
@@ -139,7 +138,6 @@ def plan_with_loss_chunks(gm: torch.fx.GraphModule, request: Any, plan_graph: Pl
         except InfeasibleBudgetError as exc:
             return exc
 
-    key, fingerprint = decision_key(gm, request), graph_fingerprint(gm)
     reused = _kept_count_fits(kept_chunks(key, fingerprint), chunked, as_traced)
     if reused is not None:
         return reused

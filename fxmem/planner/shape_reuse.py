@@ -196,10 +196,11 @@ def seeded(lowered: Any, simulate: Callable[..., Any], target: int, relax_s: flo
     return (*spend_slack(problem, candidate, solution, target, simulate, relax_s), None)
 
 
-def refusal_key(gm: torch.fx.GraphModule, request: Any) -> tuple:
-    """What a chunk count's refusal depends on: the captured graph (with its sizes) and the request but its budget."""
+def refusal_key(gm: torch.fx.GraphModule, request: Any, fingerprint: str) -> tuple:
+    """What a chunk count's refusal depends on: the captured graph (`fingerprint`, with its sizes) and the request
+    but its budget."""
     unbudgeted = dataclasses.replace(request, budget_bytes=None)
-    return decision_key(gm, unbudgeted, (request.signature, request.held_bytes)), graph_fingerprint(gm)
+    return decision_key(gm, unbudgeted, (request.signature, request.held_bytes)), fingerprint
 
 
 def keep_refusal(key: tuple, chunks: int, refusal: Any) -> None:

@@ -16,15 +16,19 @@ def test_bytes_by_count():
     assert [c.device_bytes(k) for k in range(4)] == [32, 24, 8, 0]
 
 
-def test_least_count_leaves_at_most_the_room():
+@pytest.mark.parametrize("gradients", [False, True])
+def test_least_count_leaves_at_most_the_room(gradients):
+    """The fewest parameters on the host (their state, and with `gradients` their gradients too) that leave at most
+    the room on the device: one fewer would not fit."""
     c = costs()
-    for room in range(-1, 40):
-        count = c.least_count(room)
+    least = c.least_count_with_gradients if gradients else c.least_count
+    left = lambda k: c.device_bytes(k) + (sum(c.grads[k:]) if gradients else 0)  # noqa: E731
+    for room in range(-1, 60):
+        count = least(room)
         if room < 0:
             assert count is None
             continue
-        assert c.device_bytes(count) <= room
-        assert count == 0 or c.device_bytes(count - 1) > room  # one fewer would not fit
+        assert left(count) <= room and (count == 0 or left(count - 1) > room)
 
 
 def test_copies_overlap_backward_update_and_copy_back_do_not():
@@ -58,14 +62,3 @@ def test_gradients_streamed_in_backward_hide_behind_it():
     seconds = [c.streamed_seconds(3, b) for b in (0.0, 1.0, 4.0, 100.0)]
     assert seconds == sorted(seconds, reverse=True)
     assert c.host_gradient_seconds(3, 100.0) == long + update + back < c.exposed_seconds(3, 0.0)
-
-
-def test_least_count_with_gradients_leaves_at_most_the_room():
-    c = costs()
-    for room in range(-1, 60):
-        count = c.least_count_with_gradients(room)
-        if room < 0:
-            assert count is None
-            continue
-        left = lambda k: c.device_bytes(k) + sum(c.grads[k:])  # noqa: E731
-        assert left(count) <= room and (count == 0 or left(count - 1) > room)

@@ -5,7 +5,7 @@ step as it is (1 chunk) and, where that does not fit or fits only by recomputing
 costs, plans it with the loss in chunks (each a fresh copy of the graph rewritten by `chunk_loss`):
 where 1 chunk does not fit, the first of 8, 16, ... that fits (or the most worth making, once a count's least
 shows that fewer cannot fit), then half as many while that fits with the decision of the count before and is
-predicted faster (fewer ops); where no
+predicted faster (fewer ops; not tried where their overhead is under 2% of the step); where no
 fewer count was faster, that plan recomputes more than the lm head costs (and, where 1 chunk fits, the loss
 region is a tenth of the budget or more), twice as many chunks, and twice again, while each count is predicted
 faster than half of it (more chunks free more, so less is recomputed), keeping the fastest. A budget below the
@@ -37,6 +37,9 @@ log = logging.getLogger("fxmem")
 
 START_CHUNKS = 8  # the first count planned where the loss as traced does not fit (fewer traces than bisecting from the most)
 MAX_CHUNKS = 64  # more chunks lengthen the graph (each is ~20 ops a pass) for a few MiB less
+OPS_PER_CHUNK = 40  # a chunk's ops, forward and backward (30 in GPT-2's traced joint graph): fewer chunks save their overhead
+MIN_STEP_GAIN = 0.02  # fewer chunks are not planned where all they could save is under this share of the step (the
+# step's prediction is no closer than that)
 MIN_GAIN = 0.01  # chunking is not tried where the whole loss region is less than this share of the least budget
 WORTH_TRYING = 0.1  # where as traced fits, more chunks are planned only if the region is this share of the budget
 NUMERICS = ("loss and gradients of the lm head and cross-entropy summed chunk by chunk: equal to eager's "
@@ -184,7 +187,7 @@ def _searched(gm: torch.fx.GraphModule, request: Any, sites: list[LossSite], chu
         if unchunked is None or exc.min_budget_bytes < unchunked.min_budget_bytes:
             raise _with_chunks(exc, most) from None
         raise unchunked from None
-    best = _fewer_while_faster(chunked, fitting)
+    best = _fewer_while_faster(chunked, fitting) if _fewer_may_gain(fitting[0], request.device) else fitting
     if best is fitting:
         best = _fastest_chunks(chunked, fitting, lm_head_flops, most)
     log.info("fxmem: the loss is computed in %d chunks of tokens", best[0].loss_chunks)
@@ -212,6 +215,19 @@ def _first_fitting(chunked: Callable[[int], tuple[Any, Any]], most: int, region:
             hopeless = exc.min_budget_bytes - region * (1 / chunks - 1 / most) > budget
             log.info("fxmem: loss in %d chunks: least budget %s", chunks, fmt_bytes(exc.min_budget_bytes))
             chunks = most if hopeless else 2 * chunks
+
+
+def _fewer_may_gain(plan: Any, device: Any) -> bool:
+    """Whether the loss in fewer chunks than `plan`'s may be predicted faster by `MIN_STEP_GAIN` of its step: fewer
+    chunks save only their ops' per-op overhead (the same FLOPs and bytes in fewer, larger ops; the larger
+    loss region leaves no less to recompute), at most `OPS_PER_CHUNK` for each chunk down to 2. Each count
+    tried is a whole trace and plan: seconds to minutes, where the gain can be a fraction of a millisecond."""
+    saved_s = (plan.loss_chunks - 2) * OPS_PER_CHUNK * device.op_overhead_s
+    if saved_s >= MIN_STEP_GAIN * plan.predicted_step_s:
+        return True
+    log.info("fxmem: fewer loss chunks than %d save at most %.2f ms of a %.1f ms step: not planned",
+             plan.loss_chunks, 1e3 * saved_s, 1e3 * plan.predicted_step_s)
+    return False
 
 
 def _fewer_while_faster(chunked: Callable[[int], tuple[Any, Any]], fitting: tuple[Any, Any]) -> tuple[Any, Any]:

@@ -214,3 +214,19 @@ def test_a_count_refused_below_its_least_is_not_traced_again_and_the_plan_is_a_f
         (fresh.loss_chunks, fresh.predicted_peak_bytes, fresh.recompute)
     skipped = set(traced) - after_refusals
     assert skipped and skipped <= refused_counts and after_refusals < set(traced), (refused_counts, after_refusals, traced)
+
+
+def test_fewer_chunks_are_planned_only_where_their_ops_could_save_two_percent_of_the_step():
+    """Fewer chunks save only their ops' overhead: at GPT-2 124M's step on an h100 (8 chunks, ~91 ms) at most
+    about 1 ms, so no fewer count is traced and planned; on a step a tenth as long they are."""
+    from types import SimpleNamespace
+
+    from fxmem.planner.loss_chunks import OPS_PER_CHUNK, _fewer_may_gain
+    from fxmem.price.cost import DEVICE_PRESETS
+
+    h100 = DEVICE_PRESETS["h100"]
+    saved_s = 6 * OPS_PER_CHUNK * h100.op_overhead_s  # 8 chunks down to 2
+    assert not _fewer_may_gain(SimpleNamespace(loss_chunks=8, predicted_step_s=0.091), h100)
+    assert _fewer_may_gain(SimpleNamespace(loss_chunks=8, predicted_step_s=0.0091), h100)
+    assert _fewer_may_gain(SimpleNamespace(loss_chunks=8, predicted_step_s=saved_s / 0.02), h100)
+    assert not _fewer_may_gain(SimpleNamespace(loss_chunks=2, predicted_step_s=0.0091), h100)  # none fewer

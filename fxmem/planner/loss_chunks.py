@@ -10,7 +10,9 @@ fewer count was faster, that plan recomputes more than the lm head costs (and, w
 region is a tenth of the budget or more), twice as many chunks, and twice again, while each count is predicted
 faster than half of it (more chunks free more, so less is recomputed), keeping the fastest. A budget below the
 loss's floor as traced (`traced_floor`: parameters and the log-softmax with its gradient) skips
-planning 1 chunk, as does a least named with chunks below that floor. Chunking costs the lm head's
+planning 1 chunk, as does a least named with chunks below that floor; but where that floor is under the
+weights' (parameters and gradients: every plan's floor), 1 chunk is planned first, and a least within 1% of the
+weights' is the least (Llama-3-8B's: one trace, not two). Chunking costs the lm head's
 matmul once more in backward: the plan counts it in `extra_flops` and its step time. Applying a plan
 rewrites the graph with the plan's `loss_chunks`. Only requests with `chunk_loss` (`fxmem.plan`,
 `fxmem.optimize`) chunk: pipeline stages and device regions plan their graphs as traced. A model whose
@@ -175,10 +177,15 @@ def _searched(gm: torch.fx.GraphModule, request: Any, sites: list[LossSite], chu
         if region < WORTH_TRYING * request.budget_bytes:
             return unchunked  # chunks free too little to matter (each is a whole plan: minutes under Inductor)
         return _fastest_chunks(chunked, unchunked, lm_head_flops, most)
-    if unchunked is not None and region < MIN_GAIN * unchunked.min_budget_bytes:
+    weights = _weights_floor(gm)
+    if unchunked is None and floor <= weights and not getattr(request, "host_state", ()):  # below any plan's floor
+        unchunked = as_traced()  # refused, naming its least
+        if not isinstance(unchunked, tuple) and unchunked.min_budget_bytes <= (1 + MIN_GAIN) * weights:
+            raise unchunked  # the weights' own: no count could lower it by MIN_GAIN (one trace, not two)
+    if isinstance(unchunked, InfeasibleBudgetError) and region < MIN_GAIN * unchunked.min_budget_bytes:
         raise unchunked  # the whole loss region is less than chunking must gain: the floor is elsewhere
     try:
-        fitting = _first_fitting(chunked, most, region, request.budget_bytes, _weights_floor(gm))
+        fitting = _first_fitting(chunked, most, region, request.budget_bytes, weights)
     except InfeasibleBudgetError as exc:
         if unchunked is None and exc.min_budget_bytes >= floor:  # chunks may not go lower: compare
             unchunked = as_traced()

@@ -230,3 +230,31 @@ def test_fewer_chunks_are_planned_only_where_their_ops_could_save_two_percent_of
     assert _fewer_may_gain(SimpleNamespace(loss_chunks=8, predicted_step_s=0.0091), h100)
     assert _fewer_may_gain(SimpleNamespace(loss_chunks=8, predicted_step_s=saved_s / 0.02), h100)
     assert not _fewer_may_gain(SimpleNamespace(loss_chunks=2, predicted_step_s=0.0091), h100)  # none fewer
+
+
+def test_a_least_set_by_the_weights_is_found_with_the_loss_as_traced_alone(monkeypatch):
+    """Where the loss's floor as traced is under the weights' (parameters and gradients, every plan's floor), the
+    least search plans 1 chunk first, and a least within 1% of the weights' is the least: one trace, and the least
+    the search through chunk counts finds too."""
+    import torch.nn.functional as F
+
+    import fxmem.run.engine
+    import fxmem.planner.loss_chunks
+
+    model, ids = _gpt2(n_layer=1, n_embd=256, vocab=64, batch=1, seq=8)  # 3 MiB of weights, a 4 KiB loss region
+    planned, plan_graph = [], fxmem.run.engine._planned
+    monkeypatch.setattr(fxmem.run.engine, "_planned", lambda *args: planned.append(args[1]) or plan_graph(*args))
+
+    def least() -> fxmem.InfeasibleBudgetError:
+        with pytest.raises(fxmem.InfeasibleBudgetError) as refused:
+            fxmem.plan(model, (ids,), 1e-6, loss_fn=lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten()),
+                       example_target=ids, time_limit_s=2)
+        return refused.value
+
+    traced = least()
+    assert len(planned) == 1 and getattr(traced, "loss_chunks", 1) == 1
+    fxmem.planner.shape_reuse.forget()
+    monkeypatch.setattr(fxmem.planner.loss_chunks, "_weights_floor", lambda gm: 0)  # chunk counts searched first
+    planned.clear()
+    searched = least()
+    assert len(planned) == 2 and searched.min_budget_bytes == traced.min_budget_bytes

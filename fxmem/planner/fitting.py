@@ -34,6 +34,7 @@ from fxmem.solve.solution import Solution, make_solution
 log = logging.getLogger("fxmem")
 Simulate = Callable[[frozenset], Any]  # decision -> candidate (.recompute, .offloaded, .timeline.peak)
 RELAX_TRIES = 3  # simulations while spending slack
+RELAX_SHARE, RELAX_MIN_S = 0.1, 1.0  # slack spending, per try: share of the time limit, and at least this
 MEMO_SIZE = 64
 # The lowest decision found per problem (and allocator) in this process: the searches' limits are
 # counted, not timed (`fxmem.solve.effort`), so the same call finds the same decision on any machine load,
@@ -85,6 +86,11 @@ def solved(solve: Callable[[MemoryProblem, str, float], Solution], problem: Memo
     return solve(problem, solver, time_limit_s)
 
 
+def relax_seconds(time_limit_s: float) -> float:
+    """The limit of one try at spending slack, for a plan searched within `time_limit_s`."""
+    return max(RELAX_MIN_S, time_limit_s * RELAX_SHARE)
+
+
 def spend_slack(problem: MemoryProblem, candidate, solution: Solution, budget: int, simulate: Simulate,
                 time_limit_s: float) -> tuple[Any, Solution]:
     """Keep what `candidate` recomputes while the simulated graphs stay within `budget`
@@ -123,3 +129,13 @@ def refused_at_bound(problem: MemoryProblem, budget: int, least_budget: Callable
     refusal = InfeasibleBudgetError(budget, bound, parts, lower_bound_bytes=bound)
     refusal.bound_only = True
     return refusal
+
+
+def recompute_saved_s(problem: MemoryProblem, recompute: frozenset[int], room: int, time_limit_s: float) -> float:
+    """Seconds of recompute `recompute` would shed with `room` more bytes at every step: `relax` on the in-order
+    peak raised by `room`, as spending a plan's slack does. An estimate from above of what freeing `room` in part
+    of the step (the loss in more chunks) can save, without tracing or simulating that step."""
+    if not recompute:
+        return 0.0
+    kept = relax(problem, recompute, phase_peak(problem, recompute) + room, time_limit_s, find_layers(problem))
+    return (recompute_cost(problem, recompute) - recompute_cost(problem, kept)) / 1e9

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch.fx
 
 from fxmem.errors import InfeasibleBudgetError, PlanMismatchError, fmt_bytes
+from fxmem.planner.fitting import recompute_saved_s, relax_seconds
 from fxmem.planner.plan import graph_fingerprint
 from fxmem.planner import shape_reuse
 from fxmem.planner.shape_reuse import decision_key, keep_chunks, kept_chunks
@@ -196,7 +197,8 @@ def _searched(gm: torch.fx.GraphModule, request: Any, sites: list[LossSite], chu
         raise unchunked from None
     best = _fewer_while_faster(chunked, fitting) if _fewer_may_gain(fitting[0], request.device) else fitting
     if best is fitting:
-        best = _fastest_chunks(chunked, fitting, lm_head_flops, most)
+        best = _fastest_chunks(chunked, fitting, lm_head_flops, most,
+                               lambda planned, chunks: _more_may_gain(planned, chunks, region, sites, request))
     log.info("fxmem: the loss is computed in %d chunks of tokens", best[0].loss_chunks)
     return best
 
@@ -237,6 +239,29 @@ def _fewer_may_gain(plan: Any, device: Any) -> bool:
     return False
 
 
+def _more_may_gain(planned: tuple[Any, Any], chunks: int, region: int, sites: list[LossSite], request: Any) -> bool:
+    """Whether the loss in `chunks` chunks may be predicted faster than `planned` by `MIN_STEP_GAIN` of its step:
+    what its plan's decision would stop recomputing with the room more chunks free (`region` shrinks as 1/chunks)
+    at every step (`fitting.recompute_saved_s`, an estimate from above), less the ops the chunks add (and the lm
+    head's matmul once more, from 1 chunk). Always where the planner kept no decision to estimate from, and under
+    Inductor (whose fused step frees more than the planner's graphs show)."""
+    plan, step = planned
+    decided = getattr(getattr(step, "planner", None), "decided", None)
+    if decided is None or request.inner == "inductor":
+        return True
+    had = getattr(plan, "loss_chunks", 1) or 1
+    added_s = (chunks - had) * OPS_PER_CHUNK * request.device.op_overhead_s
+    if had == 1:
+        added_s += sum(request.device.seconds(site.lm_head_flops(), 0, site.dtype) for site in sites)
+    room = int(region * (1 / had - 1 / chunks))
+    saved_s = recompute_saved_s(*decided, room, relax_seconds(request.time_limit_s))
+    if saved_s - added_s >= MIN_STEP_GAIN * plan.predicted_step_s:
+        return True
+    log.info("fxmem: the loss in %d chunks would save at most %.2f ms of a %.1f ms step: not planned", chunks,
+             1e3 * (saved_s - added_s), 1e3 * plan.predicted_step_s)
+    return False
+
+
 def _fewer_while_faster(chunked: Callable[[int], tuple[Any, Any]], fitting: tuple[Any, Any]) -> tuple[Any, Any]:
     """From `fitting`, half its chunks, and half again, while each fits with the decision of the count before (its
     slack spent, `shape_reuse.seeds_only`) and is predicted faster; the fastest. Fewer chunks save only their own
@@ -265,17 +290,18 @@ def traced_floor(gm: torch.fx.GraphModule, sites: list[LossSite]) -> int:
 
 
 def _fastest_chunks(chunked: Callable[[int], tuple[Any, Any]], fitting: tuple[Any, Any], lm_head_flops: int,
-                    most: int) -> tuple[Any, Any]:
+                    most: int, may_gain: Callable[[tuple[Any, Any], int], bool] = lambda planned, chunks: True
+                    ) -> tuple[Any, Any]:
     """From the plan of the fewest chunks that fits (`fitting`, 1 where the loss as traced fits), the
     fastest predicted of it and twice, four times, ... its chunks (up to `most`): each count frees more
     of the loss region, so that less is recomputed, while chunking's own cost (the lm head's matmul once
     more) is the same at every count. Doubling stops where a count does not fit, where a count above 2
-    is not faster than half of it, or after a plan that recomputes no more than the lm head's matmul (no
-    count can then be faster)."""
+    is not faster than half of it, after a plan that recomputes no more than the lm head's matmul (no
+    count can then be faster), or before a count that `may_gain(planned, chunks)` says cannot be faster."""
     best = previous = fitting
     chunks = 2 * getattr(fitting[0], "loss_chunks", 1)
-    while previous[0].extra_flops > lm_head_flops and chunks <= most:  # a chunked plan's counts the lm head's
-        try:
+    while previous[0].extra_flops > lm_head_flops and chunks <= most and may_gain(previous, chunks):
+        try:  # (a chunked plan's extra_flops count the lm head's)
             candidate = chunked(chunks)
         except InfeasibleBudgetError:
             break

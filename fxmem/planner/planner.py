@@ -23,16 +23,11 @@ import torch.fx
 
 from fxmem.price.cost import DEVICE_PRESETS, HOST_LINKS, CostTable, DeviceSpec, estimate
 from fxmem.errors import InfeasibleBudgetError, fmt_bytes
-from fxmem.planner.fitting import lowest, refused_at_bound, solved, spend_slack
+from fxmem.planner.fitting import lowest, refused_at_bound, relax_seconds, solved, spend_slack
 from fxmem.price import price_record
 from fxmem.price.kernel_timer import KernelTimer
 from fxmem.planner.margin import margin_for
-from fxmem.price.memory import (
-    EXACT,
-    AllocatorModel,
-    MemoryTimeline,
-    simulate_step,
-)
+from fxmem.price.memory import EXACT, AllocatorModel, MemoryTimeline, simulate_step
 from fxmem.passes.dropout_backward import eager_dropout_backward
 from fxmem.passes.host_gradients import host_gradient_joint
 from fxmem.passes.offload import offload, offload_pass
@@ -44,12 +39,7 @@ from fxmem.planner.plan import Plan, PoolSection, graph_fingerprint
 from fxmem.planner.plan_cache import cached_plan
 from fxmem.planner.plan_facts import breakdown, graph_device, node_rows, timing, trained_parameters
 from fxmem.planner.policies import Policy, describe, every_block_checkpointed, policy_recompute, policy_within_budget
-from fxmem.solve.problem import (
-    eager_decision,
-    offload_cost,
-    recompute_cost,
-    saved_set,
-)
+from fxmem.solve.problem import MemoryProblem, eager_decision, offload_cost, recompute_cost, saved_set
 from fxmem.planner.host_state import plan_with_host_state
 from fxmem.planner.shape_reuse import decision_key, keep_seed, remember, reused, seeded, unseeded
 from fxmem.planner.resident import refusal_with_resident, resident_parts, with_resident
@@ -61,7 +51,6 @@ from fxmem.stage_times import stage
 STEP_PASSES = (recompute_pass, rng_pass, offload_pass, pool_pass)
 
 MAX_TIGHTENINGS = 8
-RELAX_SHARE, RELAX_MIN_S = 0.1, 1.0  # slack spending, per try: share of the time limit, and at least this
 LOWER_SHARE = 0.2  # of the time limit, for the in-order descent below the searches' least peak
 # Beyond this many candidates the solvers prove nothing within seconds and often fit nothing below
 # far more than the least: the least decision, relaxed, is offered beside theirs, each search with
@@ -123,6 +112,7 @@ class Planner:
     def __init__(self, request: PlanRequest):
         self.request = request
         self.plan: Plan | None = None
+        self.decided: tuple[MemoryProblem, frozenset[int]] | None = None  # the last plan's problem and decision (its estimates)
         self.gradient_sink = None  # where the backward graph's host gradients go (passes/host_gradients.py)
         self._seconds: dict[str, float] = {}  # per joint node, for timing offload copies
         self._views: frozenset[str] = frozenset()
@@ -301,7 +291,7 @@ class Planner:
             try:
                 simulate = lambda rec, off=frozenset(): self._candidate(joint, lowered, rec, off)  # noqa: E731
                 target = budget - self.margin.bytes_for(budget)
-                relax_s = max(RELAX_MIN_S, request.time_limit_s * RELAX_SHARE)
+                relax_s = relax_seconds(request.time_limit_s)
                 found = reused(key, fingerprint, lowered, simulate, target) or seeded(lowered, simulate, target, relax_s)
                 chosen, solution, min_budget = found or unseeded() or self._fit_both(joint, lowered, split, budget)
                 remember(key, fingerprint, lowered.nodes, chosen.recompute, chosen.offloaded)
@@ -313,6 +303,7 @@ class Planner:
                 log.info("no plan under the margin; the eager step fits the budget: keeping everything")
         if policy is not None and policy.name == "memory":
             min_budget = budget
+        self.decided = (lowered.problem, chosen.recompute)
         solve_time = time.perf_counter() - start
         in_joint = {n.name for n in joint.graph.nodes}  # not the generator states passes/rng.py saves
         inputs = {n.name for n in joint.graph.find_nodes(op="placeholder")}  # unread ones: see partition(lazy=)
@@ -375,7 +366,7 @@ class Planner:
         margin = self.margin.bytes_for(budget)
         budget -= margin
         simulate = lambda rec, offloaded=frozenset(): self._candidate(joint, lowered, rec, offloaded)
-        relax_s = max(RELAX_MIN_S, request.time_limit_s * RELAX_SHARE)
+        relax_s = relax_seconds(request.time_limit_s)
         large = fallback and problem.num_values > LARGE_CANDIDATES
         fitted = self._solver_fit(problem, budget, margin, request.time_limit_s * (SOLVER_SHARE if large else 1),
                                   simulate)

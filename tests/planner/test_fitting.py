@@ -177,3 +177,21 @@ def test_a_budget_under_the_peaks_lower_bound_is_refused_naming_it_and_one_over_
     offloadable = replace(problem, can_offload=(True,) * n, transfer_ns=(1,) * n, offload_ready=problem.need_first,
                           offload_blockers=((),) * n, step_ns=(1,) * len(problem.base))
     assert refused_at_bound(offloadable, 1, plus_ten, {}) is None
+
+
+def test_more_room_sheds_recompute_as_relaxing_with_that_room_does():
+    """`recompute_saved_s`: no room sheds nothing; room for every recomputed value sheds all of their cost."""
+    from tests.solve.test_solve import chain
+    from fxmem.planner.fitting import recompute_saved_s
+    from fxmem.solve.recompute.phases import phase_peak
+
+    from fxmem.solve.problem import is_valid
+
+    problem = chain(6)
+    everything = frozenset(range(0, problem.num_values, 2))  # every matmul recomputed
+    assert is_valid(problem, everything)
+    assert recompute_saved_s(problem, everything, 0, 1.0) * 1e9 < recompute_cost(problem, everything)
+    all_s = recompute_cost(problem, everything) / 1e9
+    assert recompute_saved_s(problem, everything, 10**9, 1.0) == pytest.approx(all_s)
+    assert recompute_saved_s(problem, frozenset(), 10**9, 1.0) == 0.0
+    assert phase_peak(problem, everything) > 0

@@ -258,3 +258,41 @@ def test_a_least_set_by_the_weights_is_found_with_the_loss_as_traced_alone(monke
     planned.clear()
     searched = least()
     assert len(planned) == 2 and searched.min_budget_bytes == traced.min_budget_bytes
+
+
+def test_more_chunks_are_planned_only_where_the_room_they_free_may_save_two_percent(monkeypatch):
+    """Twice the chunks are traced and planned only where what the plan's decision would stop recomputing with
+    the room they free, less the ops they add, may reach 2% of the step; a step without a kept decision (or
+    under Inductor) is planned as before."""
+    from types import SimpleNamespace
+
+    import fxmem.planner.loss_chunks as loss_chunks
+    from fxmem.price.cost import DEVICE_PRESETS
+
+    h100 = DEVICE_PRESETS["h100"]
+    request = SimpleNamespace(inner="aot_eager", device=h100, time_limit_s=2.0)
+    site = SimpleNamespace(lm_head_flops=lambda: 0, dtype=torch.float32)
+    rooms = []
+
+    def saved(saving_s):
+        monkeypatch.setattr(loss_chunks, "recompute_saved_s", lambda problem, rec, room, limit_s: rooms.append(room)
+                            or saving_s)
+
+    planned = (SimpleNamespace(loss_chunks=8, predicted_step_s=0.1), SimpleNamespace(planner=SimpleNamespace(
+        decided=("problem", frozenset({1})))))
+    added_s = 8 * loss_chunks.OPS_PER_CHUNK * h100.op_overhead_s
+    saved(added_s + 0.0019)
+    assert not loss_chunks._more_may_gain(planned, 16, 1600, [site], request)
+    saved(added_s + 0.0021)
+    assert loss_chunks._more_may_gain(planned, 16, 1600, [site], request)
+    assert rooms == [100, 100]  # 1600 / 8 - 1600 / 16
+    saved(0.0)
+    assert loss_chunks._more_may_gain(planned, 16, 1600, [site], SimpleNamespace(**{**vars(request), "inner": "inductor"}))
+    assert loss_chunks._more_may_gain((planned[0], SimpleNamespace(planner=SimpleNamespace(decided=None))), 16, 1600,
+                                      [site], request)
+
+    asked = []
+    fitting = (SimpleNamespace(loss_chunks=8, predicted_step_s=0.1, extra_flops=100), None)
+    best = loss_chunks._fastest_chunks(lambda k: asked.append(k), fitting, lm_head_flops=10, most=64,
+                                       may_gain=lambda planned, chunks: False)
+    assert best is fitting and asked == []

@@ -8,9 +8,10 @@ layer checkpointed (`checkpoint`), the greedy descent from there (it recomputes 
 between layers where that lowers the peak), and one option spread over repeated layers (`layered`), where
 the graph has them, then CP-SAT seeded with the best so far, in its
 deterministic mode (the same decision every run: decisions of equal peak can simulate differently),
-first within an eighth of its limit (a proof there ends it), and on graphs of up to `EXACT_CANDIDATES`
-candidates where CP-SAT proved nothing, the exact time-indexed program, to prove it. The answer is proven
-when CP-SAT or the exact program proves it or when it meets `peak_lower_bound`.
+first within an eighth of its limit where its workers interleave (a proof there ends it), and on graphs
+of up to `EXACT_CANDIDATES` candidates where CP-SAT proved nothing, the exact time-indexed program, to
+prove it. The answer is proven when CP-SAT or the exact program proves it or when it meets
+`peak_lower_bound`.
 
 Writes nothing but a per-process memo of the answers: the least peak ignores the budget, and a
 planner asks for the same problem's least at every budget below what its solvers fit (and a refusal
@@ -25,7 +26,7 @@ from fxmem.solve.effort import Effort
 from fxmem.solve.problem import MemoryProblem, is_valid, peak_bytes, recompute_cost
 from fxmem.solve.recompute.bound import peak_lower_bound
 from fxmem.solve.recompute.checkpoint import checkpoint_layers
-from fxmem.solve.recompute.cpsat import cpsat_min_peak
+from fxmem.solve.recompute.cpsat import INTERLEAVED_UP_TO, cpsat_min_peak
 from fxmem.solve.recompute.exact import exact_min_peak
 from fxmem.solve.recompute.greedy import greedy_min_peak
 from fxmem.solve.recompute.layered import layered_min_peak
@@ -114,11 +115,14 @@ def _search(problem: MemoryProblem, time_limit_s: float) -> LeastPeak:
 
 def _cpsat(problem: MemoryProblem, limit: Effort, effort: Effort,
            hint: frozenset[int] | None) -> tuple[int, frozenset[int], bool] | None:
-    """CP-SAT's least within `limit` (a part of `effort`), tried first within `FIRST_TRY` of it: in its
-    deterministic mode CP-SAT runs each batch of work to the limit even after proving its answer (a block of
-    a Llama-3-8B rank: proven least within 0.6 s of effort, then 17 s more at 5 s), so a proof found early
-    ends the search there. Where the first try proves nothing, CP-SAT runs again within the whole `limit`,
-    as it did alone, and `effort` is charged both."""
+    """CP-SAT's least within `limit` (a part of `effort`), tried first within `FIRST_TRY` of it where its workers
+    interleave: in that deterministic mode CP-SAT runs each batch of work to the limit even after proving its
+    answer (a block of a Llama-3-8B rank: proven least within 0.6 s of effort, then 17 s more at 5 s), so a
+    proof found early ends the search there (one worker, on larger problems, stops at its proof). Where the
+    first try proves nothing, CP-SAT runs again within the whole `limit`, as it did alone, and `effort` is
+    charged both."""
+    if problem.num_values > INTERLEAVED_UP_TO:
+        return cpsat_min_peak(problem, limit, hint=hint)
     first = Effort(limit.limit * FIRST_TRY)  # not a part of `limit`: the whole run gets what it would alone
     found = cpsat_min_peak(problem, first, hint=hint)
     if found is None or not found[2]:

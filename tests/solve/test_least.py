@@ -84,3 +84,33 @@ def test_time_limit_must_be_positive(limit):
     import fxmem
     with pytest.raises(ValueError, match="time_limit_s must be a positive"):
         fxmem.plan(torch.nn.Linear(4, 4), (torch.randn(2, 4),), budget_gb=1.0, time_limit_s=limit)
+
+
+@pytest.mark.parametrize("first_proves,interleaved", [(True, True), (False, True), (False, False)])
+def test_cpsat_tries_an_eighth_of_its_limit_first_and_its_proof_ends_the_search(monkeypatch, first_proves, interleaved):
+    """Where its workers interleave, CP-SAT runs first within an eighth of its limit; a proof there is the answer
+    (proven, no exact program, no run at the whole limit); otherwise CP-SAT runs again within the whole limit, as it
+    did alone. One worker (larger problems) runs once, at the whole limit."""
+    monkeypatch.setattr(least, "_FOUND", {})
+    if not interleaved:
+        monkeypatch.setattr(least, "INTERLEAVED_UP_TO", 0)
+    monkeypatch.setattr(least, "peak_lower_bound", lambda problem: 0)  # the bound never proves: CP-SAT runs
+    problem = NAMED["diamonds3"]
+    limits, exact_runs, cpsat = [], [], least.cpsat_min_peak
+
+    def counted(problem, limit, **kwargs):
+        limits.append(limit.seconds)
+        peak, rec, _ = cpsat(problem, limit, **kwargs)
+        return peak, rec, first_proves or len(limits) > 1
+
+    monkeypatch.setattr(least, "cpsat_min_peak", counted)
+    monkeypatch.setattr(least, "exact_min_peak", lambda *args: exact_runs.append(args) or None)
+    found = least_peak(problem, 4.0)
+    assert found.peak == peak_bytes(problem, found.recompute) and not violations(problem, found.recompute)
+    if not interleaved:  # one run, unproven: the exact program runs to prove it
+        assert len(limits) == 1 and exact_runs
+    elif first_proves:
+        assert len(limits) == 1 and found.proven and not exact_runs
+    else:  # the first try, then the whole limit, which proves it
+        assert len(limits) == 2 and limits[0] == pytest.approx(limits[1] * least.FIRST_TRY)
+        assert found.proven and not exact_runs

@@ -219,9 +219,10 @@ def _lowest_peak(problem: MemoryProblem, rec: frozenset[int], off: frozenset[int
 
 
 def cpsat_min_peak(problem: MemoryProblem, time_limit_s: float | Effort = 10.0, num_workers: int | None = None,
-                   hint: frozenset[int] | None = None) -> tuple[int, frozenset[int]] | None:
-    """Smallest peak over valid decisions (budget and cost ignored) and a decision reaching it;
-    None when CP-SAT finds no valid decision within the limit. Recompute only (no offload)."""
+                   hint: frozenset[int] | None = None) -> tuple[int, frozenset[int], bool] | None:
+    """Smallest peak over valid decisions (budget and cost ignored), a decision reaching it, and whether
+    CP-SAT proved it least (this model is exact); None when CP-SAT finds no valid decision within the
+    limit. Recompute only (no offload)."""
     model = _Model(problem, None, offload=False)
     model.model.minimize(model.capacity)
     if hint is not None and is_valid(problem, hint):
@@ -233,4 +234,5 @@ def cpsat_min_peak(problem: MemoryProblem, time_limit_s: float | Effort = 10.0, 
     rec = model.decision(solver)
     if not is_valid(problem, rec):
         raise AssertionError(f"CP-SAT returned an invalid decision: {sorted(rec)}")
-    return peak_bytes(problem, rec), rec
+    peak = peak_bytes(problem, rec)  # proven where the model's optimum is this decision's peak
+    return peak, rec, code == cp_model.OPTIMAL and peak == round(solver.objective_value)

@@ -8,7 +8,8 @@ shows that fewer cannot fit), then half as many while that fits with the decisio
 predicted faster (fewer ops; not tried where their overhead is under 2% of the step); where no
 fewer count was faster, that plan recomputes more than the lm head costs (and, where 1 chunk fits, the loss
 region is a tenth of the budget or more), twice as many chunks, and twice again, while each count is predicted
-faster than half of it (more chunks free more, so less is recomputed), keeping the fastest. A budget below the
+faster than half of it (more chunks free more, so less is recomputed), keeping the fastest; a count is not
+planned where the room it frees would let the decision before shed under 2% of the step (`_more_may_gain`). A budget below the
 loss's floor as traced (`traced_floor`: parameters and the log-softmax with its gradient) skips
 planning 1 chunk, as does a least named with chunks below that floor; but where that floor is under the
 weights' (parameters and gradients: every plan's floor), 1 chunk is planned first, and a least within 1% of the

@@ -8,9 +8,9 @@ shows that fewer cannot fit), then half as many while that fits with the decisio
 predicted faster (fewer ops; not tried where their overhead is under 2% of the step); where no
 fewer count was faster, that plan recomputes more than the lm head costs (and, where 1 chunk fits, the loss
 region is a tenth of the budget or more), twice as many chunks, and twice again, while each count is predicted
-faster than half of it (more chunks free more, so less is recomputed), keeping the fastest; a count is not
-planned where the room it frees would let the decision before shed under 2% of the step (`_more_may_gain`). A budget below the
-loss's floor as traced (`traced_floor`: parameters and the log-softmax with its gradient) skips
+faster than half of it by 2% of the step (more chunks free more, so less is recomputed), keeping the fastest;
+a count is not planned where the room it frees would let the decision before shed under 2% of the step
+(`_more_may_gain`). A budget below the loss's floor as traced (`traced_floor`: parameters and the log-softmax with its gradient) skips
 planning 1 chunk, as does a least named with chunks below that floor; but where that floor is under the
 weights' (parameters and gradients: every plan's floor), 1 chunk is planned first, and a least within 1% of the
 weights' is the least (Llama-3-8B's: one trace, not two). Chunking costs the lm head's
@@ -297,7 +297,7 @@ def _fastest_chunks(chunked: Callable[[int], tuple[Any, Any]], fitting: tuple[An
     fastest predicted of it and twice, four times, ... its chunks (up to `most`): each count frees more
     of the loss region, so that less is recomputed, while chunking's own cost (the lm head's matmul once
     more) is the same at every count. Doubling stops where a count does not fit, where a count above 2
-    is not faster than half of it, after a plan that recomputes no more than the lm head's matmul (no
+    is not faster than half of it by `MIN_STEP_GAIN` of the step (the next count frees half as much room), after a plan that recomputes no more than the lm head's matmul (no
     count can then be faster), or before a count that `may_gain(planned, chunks)` says cannot be faster."""
     best = previous = fitting
     chunks = 2 * getattr(fitting[0], "loss_chunks", 1)
@@ -308,8 +308,9 @@ def _fastest_chunks(chunked: Callable[[int], tuple[Any, Any]], fitting: tuple[An
             break
         if candidate[0].predicted_step_s < best[0].predicted_step_s:
             best = candidate
-        if chunks > 2 and candidate[0].predicted_step_s >= previous[0].predicted_step_s:
-            break
+        if chunks > 2 and previous[0].predicted_step_s - candidate[0].predicted_step_s < \
+                MIN_STEP_GAIN * previous[0].predicted_step_s:
+            break  # twice as many free half as much again: gaining under 2% here, they would gain less
         previous, chunks = candidate, chunks * 2
     return best
 

@@ -296,3 +296,21 @@ def test_more_chunks_are_planned_only_where_the_room_they_free_may_save_two_perc
     best = loss_chunks._fastest_chunks(lambda k: asked.append(k), fitting, lm_head_flops=10, most=64,
                                        may_gain=lambda planned, chunks: False)
     assert best is fitting and asked == []
+
+
+def test_doubling_stops_after_a_count_that_gains_under_two_percent():
+    """Twice the chunks free half the room the count before freed: after a count under 2% faster than half of
+    it, no more are planned (the faster of the two is kept)."""
+    from types import SimpleNamespace
+
+    from fxmem.planner.loss_chunks import _fastest_chunks
+
+    asked = []
+
+    def chunked(k):
+        asked.append(k)
+        return SimpleNamespace(loss_chunks=k, predicted_step_s={16: 8.9, 32: 8.0}[k], extra_flops=100), None
+
+    fitting = (SimpleNamespace(loss_chunks=8, predicted_step_s=9.0, extra_flops=100), None)
+    best = _fastest_chunks(chunked, fitting, lm_head_flops=10, most=64)
+    assert best[0].loss_chunks == 16 and asked == [16]

@@ -359,7 +359,8 @@ class Planner:
     def _fit(self, joint, lowered: Lowered, split: JointSplit, budget: int, fallback: bool = True):
         """The cheaper of the solver's decision and the least decision, each with the slack it leaves
         spent (`fxmem.planner.fitting`), checked on the simulated graphs; the least is tried when the solver
-        fits nothing or the problem is large (`LARGE_CANDIDATES`). Returns (candidate, solution, the
+        fits nothing or the problem is large (`LARGE_CANDIDATES`), there first, and the solver is not run where
+        the least the search found on the solvers' own model is over the budget. Returns (candidate, solution, the
         least budget when it was searched), None when nothing fits and not `fallback`; raises
         `InfeasibleBudgetError` naming the least budget found otherwise."""
         request, problem = self.request, lowered.problem
@@ -367,16 +368,17 @@ class Planner:
         budget -= margin
         simulate = lambda rec, offloaded=frozenset(): self._candidate(joint, lowered, rec, offloaded)
         relax_s = relax_seconds(request.time_limit_s)
-        large = fallback and problem.num_values > LARGE_CANDIDATES
-        fitted = self._solver_fit(problem, budget, margin, request.time_limit_s * (SOLVER_SHARE if large else 1),
-                                  simulate)
+        large, started = fallback and problem.num_values > LARGE_CANDIDATES, time.perf_counter()
+        least = self._least(problem, large) if large else None  # searched whatever on large problems: first
+        fitted = None
+        if least is None or least.peak <= budget:  # else the solvers, on the model it searched, fit nothing
+            fitted = self._solver_fit(problem, budget, margin,
+                                      request.time_limit_s * (SOLVER_SHARE if large else 1), simulate)
         if fitted is not None:
             fitted = spend_slack(problem, *fitted, budget, simulate, relax_s)
         if not fallback or (fitted is not None and not large):
             return None if fitted is None else (*fitted, None)
-        started = time.perf_counter()
-        log.info("searching for the least feasible budget")
-        least = least_peak(problem, request.time_limit_s * (1 - SOLVER_SHARE if large else 1))
+        least = least or self._least(problem, large)
         low = lowest(problem, least.recompute, simulate, request.time_limit_s * LOWER_SHARE, self.allocator,
                      also=every_block_checkpointed(problem, lowered.nodes, split.forward))
         if low.timeline.peak <= budget:
@@ -395,6 +397,11 @@ class Planner:
         bound = min(least.lower_bound, low.timeline.peak)
         raise InfeasibleBudgetError(int(budget + margin), self.margin.least_budget(low.timeline.peak), parts,
                                     lower_bound_bytes=self.margin.least_budget(bound), proven=least.proven)
+
+    def _least(self, problem, large: bool):
+        """`least_peak` of `problem`, within the share of the time limit the solvers leave it."""
+        log.info("searching for the least feasible budget")
+        return least_peak(problem, self.request.time_limit_s * (1 - SOLVER_SHARE if large else 1))
 
     def _solver_fit(self, problem, budget: int, margin: int, time_limit_s: float, simulate
                     ) -> tuple[_Candidate, Solution] | None:

@@ -195,3 +195,18 @@ def test_more_room_sheds_recompute_as_relaxing_with_that_room_does():
     assert recompute_saved_s(problem, everything, 10**9, 1.0) == pytest.approx(all_s)
     assert recompute_saved_s(problem, frozenset(), 10**9, 1.0) == 0.0
     assert phase_peak(problem, everything) > 0
+
+
+def test_on_a_large_problem_the_solvers_are_not_run_below_the_least_of_their_model(monkeypatch, bounds):
+    """At the least budget the least route alone fits: the solvers' model (every value recomputed for a step
+    alive at once) has a higher least, so on a large problem (`LARGE_CANDIDATES`) the least is searched first and
+    the solvers, which would fit nothing, are not run; the plan still meets the budget measured."""
+    model, inputs = _gpt()
+    least, _ = bounds
+    asked, solved = [], fxmem.planner.planner.solved
+    monkeypatch.setattr(fxmem.planner.planner, "LARGE_CANDIDATES", 0)
+    monkeypatch.setattr(fxmem.planner.planner, "solved", lambda *args: asked.append(args[2]) or solved(*args))
+    plan = fxmem.plan(model, inputs, budget_gb=least / GIB, time_limit_s=2)
+    assert asked == [] and plan.solver.startswith("min-peak")
+    optimized = fxmem.optimize(model, plan=plan)
+    assert measure_peak_bytes(optimized, inputs) <= least

@@ -111,7 +111,7 @@ def test_a_refused_budget_names_the_least_without_held_outputs_and_the_next_call
 
 def test_least_budget_is_at_most_the_models_own_checkpointing_peak():
     """Both measured the way transformers' examples train (the output held until backward ends)."""
-    model, ids = _gpt2(n_layer=4, vocab=2048, tokens=(4, 128))
+    model, ids = _gpt2(n_layer=2, vocab=2048, tokens=(4, 128))
     checkpointed = copy.deepcopy(model)
     checkpointed.gradient_checkpointing_enable()
     own_checkpointing = measure_peak_bytes(checkpointed, (ids,), {"labels": ids})

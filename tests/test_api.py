@@ -25,7 +25,7 @@ def _min_budget(model, inputs) -> int:
     """The least budget found, a reference point for the budgets below (the least search runs the
     solver to its time limit; the plans at those budgets get their own)."""
     with pytest.raises(fxmem.InfeasibleBudgetError) as info:
-        fxmem.plan(model, inputs, budget_gb=1e-6, time_limit_s=2)
+        fxmem.plan(model, inputs, budget_gb=1e-6, time_limit_s=1)
     return info.value.min_budget_bytes
 
 
@@ -44,7 +44,7 @@ def _at(zoo, fraction):
     name, model, inputs, eager, lowest, made = zoo
     if fraction not in made:
         budget = int(lowest + fraction * (eager.baseline_peak_bytes - lowest))
-        plan = fxmem.plan(model, inputs, budget_gb=budget / GIB, time_limit_s=2)
+        plan = fxmem.plan(model, inputs, budget_gb=budget / GIB, time_limit_s=1)
         made[fraction] = budget, plan, measure_peak_bytes(fxmem.optimize(model, plan=plan), inputs)
     return made[fraction]
 
@@ -130,7 +130,7 @@ def test_library_model_from_transformers():
 
 def _min_budget_kwargs(model, ids, kwargs) -> int:
     with pytest.raises(fxmem.InfeasibleBudgetError) as info:
-        fxmem.plan(model, (ids,), budget_gb=1e-6, example_kwargs=kwargs, time_limit_s=2)
+        fxmem.plan(model, (ids,), budget_gb=1e-6, example_kwargs=kwargs, time_limit_s=1)
     return info.value.min_budget_bytes
 
 

@@ -329,7 +329,7 @@ def test_the_least_a_refusal_prints_is_accepted_by_the_next_compile_and_met_on_e
     monkeypatch.setenv("FXMEM_CACHE_DIR", str(tmp_path))
 
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(vocab_size=1000, n_positions=64, n_embd=64, n_layer=2, n_head=4, use_cache=False,
+    config = transformers.GPT2Config(vocab_size=1000, n_positions=64, n_embd=64, n_layer=1, n_head=4, use_cache=False,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
     model, ids = transformers.GPT2LMHeadModel(config), torch.randint(1000, (4, 64))

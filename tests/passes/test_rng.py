@@ -33,7 +33,7 @@ class _DropoutCnn(nn.Module):
 
 def _least(model, inputs) -> int:
     with pytest.raises(fxmem.InfeasibleBudgetError) as info:
-        fxmem.plan(model, inputs, budget_gb=1e-6, time_limit_s=5)
+        fxmem.plan(model, inputs, budget_gb=1e-6, time_limit_s=2)
     return info.value.min_budget_bytes
 
 
@@ -99,7 +99,7 @@ def _least_kept(model, inputs) -> int:
     from fxmem.planner.planner import PlanRequest
 
     with pytest.raises(fxmem.InfeasibleBudgetError) as kept:
-        plan_step(model, inputs, {}, PlanRequest(budget_bytes=1, replay_random=False, time_limit_s=5))
+        plan_step(model, inputs, {}, PlanRequest(budget_bytes=1, replay_random=False, time_limit_s=2))
     return kept.value.min_budget_bytes
 
 

@@ -123,13 +123,14 @@ def test_meter_sees_the_plans_device_and_host_state(between):
 
 def test_optimize_trains_as_eager_adamw(between):
     """fxmem.optimize with offload: the optimizer to step is the module's `fxmem_optimizer`; 3 steps give
-    eager AdamW's parameters."""
+    eager AdamW's parameters. `keep_outputs=True`: the step `between` planned (the outputs held), planned once; a
+    loop seen dropping them would have the step without them planned again at the second call."""
     budget, plan = between
     reference = model()
     trained = copy.deepcopy(reference)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     optimized = fxmem.optimize(trained, budget_gb=budget, optimizer=torch.optim.AdamW(trained.parameters(), lr=1e-2),
-                               offload=True, time_limit_s=LIMIT_S)
+                               offload=True, time_limit_s=LIMIT_S, keep_outputs=True)
     opt = optimized.fxmem_optimizer
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 1, gamma=0.5)

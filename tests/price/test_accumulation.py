@@ -35,7 +35,7 @@ def tiny_gpt2():
 
 def zoo_gpt():
     torch.manual_seed(0)
-    model = models.from_name("gpt-tiny", dropout=0.0)
+    model = models.from_name("gpt-tiny", dropout=0.0, n_layer=1)
     return model, [(models.example_inputs("gpt-tiny", 4, seed=s), {}) for s in range(MICRO_BATCHES)]
 
 

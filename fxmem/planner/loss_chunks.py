@@ -10,8 +10,8 @@ fewer count was faster, that plan recomputes more than the lm head costs (and, w
 region is a tenth of the budget or more), twice as many chunks, and twice again, while each count is predicted
 faster than half of it by 2% of the step (more chunks free more, so less is recomputed), keeping the fastest;
 a count is not planned where the room it frees would let the decision before shed under 2% of the step
-(`_more_may_gain`). A budget below the loss's floor as traced (`traced_floor`: parameters and the log-softmax with its gradient) skips
-planning 1 chunk, as does a least named with chunks below that floor; but where that floor is under the
+(`_more_may_gain`). A budget below the loss's floor as traced (`traced_floor`: parameters and the
+log-softmax with its gradient) skips planning 1 chunk, as does a least named with chunks below that floor; but where that floor is under the
 weights' (parameters and gradients: every plan's floor), 1 chunk is planned first, and a least within 1% of the
 weights' is the least (Llama-3-8B's: one trace, not two). Chunking costs the lm head's
 matmul once more in backward: the plan counts it in `extra_flops` and its step time. Applying a plan
@@ -42,8 +42,8 @@ log = logging.getLogger("fxmem")
 START_CHUNKS = 8  # the first count planned where the loss as traced does not fit (fewer traces than bisecting from the most)
 MAX_CHUNKS = 64  # more chunks lengthen the graph (each is ~20 ops a pass) for a few MiB less
 OPS_PER_CHUNK = 40  # a chunk's ops, forward and backward (30 in GPT-2's traced joint graph): fewer chunks save their overhead
-MIN_STEP_GAIN = 0.02  # fewer chunks are not planned where all they could save is under this share of the step (the
-# step's prediction is no closer than that)
+MIN_STEP_GAIN = 0.02  # a count is not planned where all it could save is under this share of the step (the step's
+# prediction is no closer than that)
 MIN_GAIN = 0.01  # chunking is not tried where the whole loss region is less than this share of the least budget
 WORTH_TRYING = 0.1  # where as traced fits, more chunks are planned only if the region is this share of the budget
 NUMERICS = ("loss and gradients of the lm head and cross-entropy summed chunk by chunk: equal to eager's "
@@ -297,8 +297,9 @@ def _fastest_chunks(chunked: Callable[[int], tuple[Any, Any]], fitting: tuple[An
     fastest predicted of it and twice, four times, ... its chunks (up to `most`): each count frees more
     of the loss region, so that less is recomputed, while chunking's own cost (the lm head's matmul once
     more) is the same at every count. Doubling stops where a count does not fit, where a count above 2
-    is not faster than half of it by `MIN_STEP_GAIN` of the step (the next count frees half as much room), after a plan that recomputes no more than the lm head's matmul (no
-    count can then be faster), or before a count that `may_gain(planned, chunks)` says cannot be faster."""
+    is not faster than half of it by `MIN_STEP_GAIN` of the step (the next count frees half as much room),
+    after a plan that recomputes no more than the lm head's matmul (no count can then be faster), or before
+    a count that `may_gain(planned, chunks)` says cannot be faster."""
     best = previous = fitting
     chunks = 2 * getattr(fitting[0], "loss_chunks", 1)
     while previous[0].extra_flops > lm_head_flops and chunks <= most and may_gain(previous, chunks):

@@ -109,12 +109,9 @@ def plan_with_host_state(request, plan_at: Callable[..., Plan], margin_bytes: in
         try:
             hosted = plan_at(0)
         except InfeasibleBudgetError as exc:
-            hosted, rows = None, ({"mix": ALL_HOST, "device_state_bytes": 0, "step_s": None, "chosen": False,
-                                   "least_bytes": exc.min_budget_bytes, "least": "found"},)
-            parts = tried[0][1].breakdown
-            floor = parts.get("parameters, buffers and inputs", 0) + sum(costs.grads)
-            rows += ({"mix": ALL_DEVICE, "device_state_bytes": costs.total_state, "step_s": None, "chosen": False,
-                      "least_bytes": costs.total_state + floor, "least": "bound"},)
+            floor = tried[0][1].breakdown.get("parameters, buffers and inputs", 0) + sum(costs.grads)
+            hosted, rows = None, (_refused_row(ALL_HOST, 0, exc.min_budget_bytes, "found"),
+                                  _refused_row(ALL_DEVICE, costs.total_state, costs.total_state + floor, "bound"))
     else:
         hosted = plan_at(0)  # its refusal is the least with every byte of state off the device
     streamed = tried[0][1] if tried else None  # all the state and gradients on the host
@@ -194,8 +191,13 @@ def _device_gradient_mixes(request, plan_at: Callable[..., Plan], costs: HostSta
             tried.append((MOST_DEVICE, plan_at(costs.device_bytes(most)), most, 0))
         except InfeasibleBudgetError:
             pass
-    return tried, ({"mix": ALL_DEVICE, "device_state_bytes": costs.total_state, "step_s": None, "chosen": False,
-                    "least_bytes": refused[0], "least": refused[1]},)
+    return tried, (_refused_row(ALL_DEVICE, costs.total_state, *refused),)
+
+
+def _refused_row(mix: str, device_state_bytes: int, least_bytes: int, least: str) -> dict:
+    """A mix's row of `Plan.host_options` where it does not fit: its least budget, "found" or a "bound"."""
+    return {"mix": mix, "device_state_bytes": device_state_bytes, "step_s": None, "chosen": False,
+            "least_bytes": least_bytes, "least": least}
 
 
 def _most_on_device(costs: HostStateCosts, plan_at: Callable[[int], Plan], budget: int, floor: int,

@@ -271,7 +271,10 @@ class Planner:
             lowered = allow_offload(lowered, split, costs, request.offload_min_bytes)
         log.info("joint graph: %d forward and %d backward ops, %d values backward may need",
                  len(split.forward), len(split.backward), lowered.problem.num_values)
-        if request.refuse_at_bound and budget is not None and request.policy is None:
+        # not under Inductor (a fused step can hold less than this graph's bound) nor for host-state mixes (compared
+        # by their leasts)
+        if request.refuse_at_bound and budget is not None and request.policy is None and request.inner != "inductor" \
+                and not request.host_state:
             refusal = refused_at_bound(lowered.problem, budget, self.margin.least_budget, breakdown(split, self.allocator))
             if refusal is not None:
                 raise refusal

@@ -333,8 +333,6 @@ class OptimizedModule(ModelWrapper):
         request = dataclasses.replace(self._make_request(module, args, kwargs), loss=loss,
                                       resident_gradient_bytes=grads.bytes, resident_gradients=grads.description,
                                       refuse_at_bound=refuse_at_bound)
-        if request.inner == "inductor" or request.host_state:  # a fused step can hold less than the unfused step's
-            request = dataclasses.replace(request, refuse_at_bound=False)  # bound; host-state mixes compare leasts
         warn_unplanned_gradients(request.plan, grads)
         log.info("fxmem: planning %s %s", request.model, request.signature)
         with planning(f"planning {request.model} {short_signature(request.signature)}", request.time_limit_s), \

@@ -110,14 +110,13 @@ def test_chunk_counts_are_searched_from_eight_then_fewer_while_faster(least, pre
         plan, _ = _fastest_chunks(chunked, fitting, lm_head_flops=10, most=64)
     assert plan.loss_chunks == chosen and tried == asked
 
-def test_least_is_the_same_when_the_loss_as_traced_is_not_planned_below_its_floor(monkeypatch):
+def _counted_least_search(monkeypatch, model, ids):
+    """(the graphs planned so far, a call returning the refusal that names `model`'s least with a cross-entropy
+    `loss_fn`): each graph the engine plans is counted."""
     import torch.nn.functional as F
 
     import fxmem.run.engine
-    import fxmem.planner.loss_chunks
-    import fxmem.planner.shape_reuse
 
-    model, ids = _gpt2(n_layer=1, n_embd=32, vocab=2000, batch=2, seq=64)
     planned, plan_graph = [], fxmem.run.engine._planned
     monkeypatch.setattr(fxmem.run.engine, "_planned", lambda *args: planned.append(args[1]) or plan_graph(*args))
 
@@ -126,6 +125,16 @@ def test_least_is_the_same_when_the_loss_as_traced_is_not_planned_below_its_floo
             fxmem.plan(model, (ids,), 1e-6, loss_fn=lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten()),
                        example_target=ids, time_limit_s=2)
         return refused.value
+
+    return planned, least
+
+
+def test_least_is_the_same_when_the_loss_as_traced_is_not_planned_below_its_floor(monkeypatch):
+    import fxmem.planner.loss_chunks
+    import fxmem.planner.shape_reuse
+
+    model, ids = _gpt2(n_layer=1, n_embd=32, vocab=2000, batch=2, seq=64)
+    planned, least = _counted_least_search(monkeypatch, model, ids)
 
     skipping = least()
     floor_skipped = len(planned)
@@ -236,20 +245,10 @@ def test_a_least_set_by_the_weights_is_found_with_the_loss_as_traced_alone(monke
     """Where the loss's floor as traced is under the weights' (parameters and gradients, every plan's floor), the
     least search plans 1 chunk first, and a least within 1% of the weights' is the least: one trace, and the least
     the search through chunk counts finds too."""
-    import torch.nn.functional as F
-
-    import fxmem.run.engine
     import fxmem.planner.loss_chunks
 
     model, ids = _gpt2(n_layer=1, n_embd=256, vocab=64, batch=1, seq=8)  # 3 MiB of weights, a 4 KiB loss region
-    planned, plan_graph = [], fxmem.run.engine._planned
-    monkeypatch.setattr(fxmem.run.engine, "_planned", lambda *args: planned.append(args[1]) or plan_graph(*args))
-
-    def least() -> fxmem.InfeasibleBudgetError:
-        with pytest.raises(fxmem.InfeasibleBudgetError) as refused:
-            fxmem.plan(model, (ids,), 1e-6, loss_fn=lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten()),
-                       example_target=ids, time_limit_s=2)
-        return refused.value
+    planned, least = _counted_least_search(monkeypatch, model, ids)
 
     traced = least()
     assert len(planned) == 1 and getattr(traced, "loss_chunks", 1) == 1
